@@ -1,0 +1,3 @@
+"""Reading compiled programs: collectives in the partitioned HLO, and memory per device."""
+
+from parallax.analysis import hlo as hlo

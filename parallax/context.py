@@ -1,0 +1,69 @@
+"""The mesh and strategy in force while a parallax step is traced.
+
+``px.train_step`` activates a :class:`StepContext` for the duration of tracing, so that code deep
+inside a model (``px.constrain`` on an activation) and ``px.value_and_grad`` can see the mesh,
+the strategy and which mesh axes are manual (inside ``shard_map``) without being passed them.
+It is scoped like ``jax.set_mesh`` or ``nnx.logical_axis_rules``: a ``ContextVar`` set on entry
+and restored on exit, never a module-level global that outlives the ``with`` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from parallax.strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a traced step runs under.
+
+    Attributes:
+      mesh: the device mesh.
+      strategy: the (composed) strategy.
+      manual_axes: mesh axes that are manual at this point of the trace (inside the
+        ``shard_map`` that ``px.value_and_grad`` opens over the batch axes); sharding
+        constraints must not name them.
+    """
+
+    mesh: Mesh
+    strategy: Strategy
+    manual_axes: frozenset[str] = frozenset()
+
+
+_current: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
+    "parallax_step_context", default=None
+)
+
+
+def current() -> StepContext | None:
+    """The active context, or None outside ``px.train_step`` (plain single-device code)."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def activate(context: StepContext | None):
+    """Makes ``context`` current inside the ``with`` block."""
+    token = _current.set(context)
+    try:
+        yield context
+    finally:
+        _current.reset(token)
+
+
+@contextlib.contextmanager
+def manual(axes):
+    """Marks ``axes`` manual (inside a ``shard_map`` over them) for the ``with`` block."""
+    outer = current()
+    if outer is None:
+        yield None
+        return
+    inner = dataclasses.replace(outer, manual_axes=outer.manual_axes | frozenset(axes))
+    with activate(inner):
+        yield inner

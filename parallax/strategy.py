@@ -1,0 +1,194 @@
+"""A strategy is a small immutable value; ``compose`` merges several, like ``optax.chain``.
+
+A :class:`Strategy` holds data, and at most a few pure functions:
+
+- ``rules``: logical axis -> mesh axes, for parameters and activations (tensor parallel maps
+  ``"heads"``, ``"mlp"``, ``"vocab"`` to ``"tensor"``);
+- ``batch_axes``: the mesh axes that split the batch (data parallel, and ZeRO's axis, since
+  every ZeRO rank sees its own slice of the batch);
+- ``zero_stage`` / ``shard_axis``: what ZeRO shards over its axis (1: optimizer state,
+  2: + gradients, 3: + parameters);
+- ``style``: how gradients are synchronised over the batch axes. ``"explicit"`` (the default)
+  computes local gradients inside ``shard_map`` and issues the collectives itself
+  (``psum`` for data parallel, ``psum_scatter`` for ZeRO 2/3, ``all_gather`` of parameters for
+  ZeRO 3), so the compiled program holds exactly those collectives on every backend.
+  ``"gspmd"`` leaves the batch axes to XLA's partitioner;
+- ``grad_fn``: an optional hook that replaces how gradients are produced (gradient
+  accumulation; pipeline schedules), called as ``grad_fn(value_and_grad, params, batch)``.
+
+Example:
+  >>> import parallax as px
+  >>> s = px.compose(px.DataParallel("data"), px.ZeRO(stage=3, axis="fsdp"),
+  ...                px.TensorParallel("tensor"))
+  >>> s.batch_axes, s.zero_stage
+  (('data', 'fsdp'), 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jax.sharding import Mesh
+
+from parallax.mesh import AXIS_ORDER, describe
+from parallax.rules import MeshAxes, Rules, as_tuple
+
+STYLES = ("explicit", "gspmd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How a train step is laid out on a mesh. Build with the factories, merge with compose.
+
+    Attributes:
+      name: a readable description (``"DataParallel('data') + ZeRO(3, 'fsdp')"``).
+      rules: logical axis -> mesh axes, as a tuple of pairs (immutable, ordered).
+      batch_axes: mesh axes that split the batch's leading dimension, in mesh order.
+      zero_stage: 0 (nothing sharded), 1, 2 or 3.
+      shard_axis: the mesh axis ZeRO shards over (None when ``zero_stage`` is 0).
+      style: ``"explicit"`` or ``"gspmd"`` (see the module docstring); None = no preference.
+      grad_fn: optional gradient producer ``grad_fn(value_and_grad, params, batch)``.
+    """
+
+    name: str = "Replicated()"
+    rules: Rules = ()
+    batch_axes: tuple[str, ...] = ()
+    zero_stage: int = 0
+    shard_axis: str | None = None
+    style: str | None = None
+    grad_fn: Callable | None = None
+
+    @property
+    def rule_table(self) -> dict[str, MeshAxes]:
+        return dict(self.rules)
+
+    @property
+    def activation_rules(self) -> dict[str, MeshAxes]:
+        """The rules, plus ``"batch"`` -> the batch axes."""
+        table = self.rule_table
+        table.setdefault("batch", self.batch_axes or None)
+        return table
+
+    @property
+    def sync_style(self) -> str:
+        return self.style or "explicit"
+
+    def mesh_axes(self) -> tuple[str, ...]:
+        """Every mesh axis the strategy names."""
+        named = list(self.batch_axes)
+        if self.shard_axis:
+            named.append(self.shard_axis)
+        for _, axes in self.rules:
+            named.extend(as_tuple(axes))
+        return tuple(dict.fromkeys(named))
+
+    def validate(self, mesh: Mesh, api: str) -> None:
+        """Checks that every mesh axis the strategy names exists in ``mesh``."""
+        for axis in self.mesh_axes():
+            if axis not in mesh.shape:
+                raise ValueError(
+                    f"{api}: the strategy {self.name} uses mesh axis {axis!r}, but the mesh "
+                    f"is {describe(mesh)}; add {axis}=N (or {axis}=1) to px.make_mesh, or "
+                    "name an axis the mesh has."
+                )
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _order(axes) -> tuple[str, ...]:
+    known = [a for a in AXIS_ORDER if a in axes]
+    return tuple(known + [a for a in axes if a not in known])
+
+
+def compose(*strategies: Strategy) -> Strategy:
+    """Merges strategies into one, as ``optax.chain`` chains transformations.
+
+    Rule tables are merged; batch axes are joined (in mesh order); at most one ZeRO and one
+    gradient producer may be present. Anything two strategies claim differently is an error,
+    never a silent override.
+
+    Raises:
+      TypeError: an argument is not a Strategy.
+      ValueError: a logical axis mapped to two different mesh axes, a mesh axis claimed
+        twice or used both for the batch and for a parameter rule, two ZeRO stages, two
+        gradient producers, or two sync styles.
+
+    Example:
+      >>> import parallax as px
+      >>> hsdp = px.compose(px.DataParallel("data"), px.FSDP("fsdp"))
+      >>> hsdp.batch_axes
+      ('data', 'fsdp')
+    """
+    for s in strategies:
+        if not isinstance(s, Strategy):
+            raise TypeError(
+                f"px.compose: expected Strategy values (px.DataParallel, px.ZeRO, ...), got "
+                f"{type(s).__name__}: {s!r}."
+            )
+    if not strategies:
+        return Strategy()
+    name = " + ".join(s.name for s in strategies)
+    rules: dict[str, MeshAxes] = {}
+    owner: dict[str, Strategy] = {}
+    for s in strategies:
+        for logical, axes in s.rules:
+            if logical in rules and as_tuple(rules[logical]) != as_tuple(axes):
+                raise ValueError(
+                    f"px.compose: conflicting rules for logical axis {logical!r}: "
+                    f"{owner[logical].name} maps it to {rules[logical]!r} and {s.name} maps it "
+                    f"to {axes!r}. A logical axis can be sharded one way; drop one of the "
+                    "strategies or give one of them another mesh axis."
+                )
+            rules[logical], owner[logical] = axes, s
+    batch: dict[str, Strategy] = {}
+    for s in strategies:
+        for axis in s.batch_axes:
+            if axis in batch:
+                raise ValueError(
+                    f"px.compose: mesh axis {axis!r} splits the batch in both "
+                    f"{batch[axis].name} and {s.name}; each mesh axis can be claimed once."
+                )
+            batch[axis] = s
+    for logical, axes in rules.items():
+        for axis in as_tuple(axes):
+            if axis in batch:
+                raise ValueError(
+                    f"px.compose: mesh axis {axis!r} splits the batch in {batch[axis].name} "
+                    f"and shards logical axis {logical!r} in {owner[logical].name}; use a "
+                    "different mesh axis for one of them."
+                )
+    zeros = [s for s in strategies if s.zero_stage]
+    if len(zeros) > 1:
+        raise ValueError(
+            f"px.compose: two ZeRO strategies ({zeros[0].name}, {zeros[1].name}); keep one "
+            "(HSDP is compose(DataParallel('data'), ZeRO(3, 'fsdp')))."
+        )
+    producers = [s for s in strategies if s.grad_fn is not None]
+    if len(producers) > 1:
+        raise ValueError(
+            f"px.compose: {producers[0].name} and {producers[1].name} both decide how "
+            "gradients are produced; keep one."
+        )
+    styles = {s.style for s in strategies if s.style}
+    if len(styles) > 1:
+        raise ValueError(
+            f"px.compose: the strategies ask for different sync styles {sorted(styles)}; "
+            "pass the same style= to each."
+        )
+    return Strategy(
+        name=name,
+        rules=tuple(rules.items()),
+        batch_axes=_order(batch),
+        zero_stage=zeros[0].zero_stage if zeros else 0,
+        shard_axis=zeros[0].shard_axis if zeros else None,
+        style=styles.pop() if styles else None,
+        grad_fn=producers[0].grad_fn if producers else None,
+    )
+
+
+def check_style(api: str, style: str | None) -> str | None:
+    if style is not None and style not in STYLES:
+        raise ValueError(f"{api}: style={style!r} must be one of {STYLES} (or None).")
+    return style

@@ -1,9 +1,57 @@
-"""parallax: SPMD parallel training for JAX, from one pure Flax model."""
+"""parallax: SPMD parallel training for JAX, from one pure Flax model.
+
+Pick a mesh and a strategy, create the state sharded, decorate a step:
+
+    mesh = px.make_mesh(data=2, fsdp=2, tensor=2)
+    strategy = px.compose(px.DataParallel("data"), px.FSDP("fsdp"), px.TensorParallel("tensor"))
+    state = px.init(lambda: px.TrainState.create(model_fn(), optax.adam(1e-3)), mesh, strategy)
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        loss, grads = px.value_and_grad(loss_fn)(state.model, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+"""
 
 from parallax import analysis as analysis
 from parallax import rules as rules
+from parallax.grad import value_and_grad as value_and_grad
 from parallax.mesh import make_hybrid_mesh as make_hybrid_mesh
 from parallax.mesh import make_mesh as make_mesh
 from parallax.rules import constrain as constrain
+from parallax.state import TrainState as TrainState
+from parallax.step import TrainStep as TrainStep
+from parallax.step import init as init
+from parallax.step import shard as shard
+from parallax.step import train_step as train_step
+from parallax.strategies import FSDP as FSDP
+from parallax.strategies import HSDP as HSDP
+from parallax.strategies import DataParallel as DataParallel
+from parallax.strategies import GradientAccumulation as GradientAccumulation
+from parallax.strategies import TensorParallel as TensorParallel
+from parallax.strategies import ZeRO as ZeRO
+from parallax.strategy import Strategy as Strategy
+from parallax.strategy import compose as compose
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DataParallel",
+    "FSDP",
+    "GradientAccumulation",
+    "HSDP",
+    "Strategy",
+    "TensorParallel",
+    "TrainState",
+    "TrainStep",
+    "ZeRO",
+    "analysis",
+    "compose",
+    "constrain",
+    "init",
+    "make_hybrid_mesh",
+    "make_mesh",
+    "rules",
+    "shard",
+    "train_step",
+    "value_and_grad",
+]

@@ -56,7 +56,9 @@ def _factors(sizes: Mapping[str, int]) -> str:
     return " x ".join(f"{name}={size}" for name, size in sizes.items())
 
 
-def resolve_axis_sizes(api: str, axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+def resolve_axis_sizes(
+    api: str, axes: Mapping[str, int], num_devices: int, unit: str = "devices"
+) -> dict[str, int]:
     """Fills a ``-1`` axis with the remaining devices and checks the product.
 
     Example:
@@ -78,14 +80,14 @@ def resolve_axis_sizes(api: str, axes: Mapping[str, int], num_devices: int) -> d
             raise ValueError(
                 f"{api}: cannot fill {fill[0]}=-1: the other axes multiply to {known} "
                 f"({_factors({k: v for k, v in sizes.items() if v != -1})}), which does not "
-                f"divide the {num_devices} devices; choose sizes whose product divides "
+                f"divide the {num_devices} {unit}; choose sizes whose product divides "
                 f"{num_devices}."
             )
         sizes[fill[0]] = num_devices // known
     elif known != num_devices:
         raise ValueError(
             f"{api}: the axis sizes multiply to {known} ({_factors(sizes)}) but there are "
-            f"{num_devices} devices; make the product equal {num_devices}, or set one axis "
+            f"{num_devices} {unit}; make the product equal {num_devices}, or set one axis "
             "to -1 to use the remaining devices."
         )
     return sizes
@@ -190,7 +192,9 @@ def make_hybrid_mesh(
             f"make_hybrid_mesh: {len(devices)} devices do not split into {num_granules} "
             "equal slices."
         )
-    ici_sizes = resolve_axis_sizes("make_hybrid_mesh", ici, len(devices) // num_granules)
+    ici_sizes = resolve_axis_sizes(
+        "make_hybrid_mesh", ici, len(devices) // num_granules, "devices per slice"
+    )
     names = tuple(a for a in AXIS_ORDER if a in ici_sizes or a in dcn_sizes)
     ici_shape = tuple(ici_sizes.get(a, 1) for a in names)
     dcn_shape = tuple(dcn_sizes.get(a, 1) for a in names)

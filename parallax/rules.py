@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 from flax.core import meta as linen_meta
+from flax.linen.spmd import LogicallyPartitioned
 from jax.sharding import PartitionSpec
 
 from parallax import context
@@ -57,7 +58,7 @@ def _box_names(box) -> tuple[Names | None, bool]:
         metadata = box.get_metadata()
         names = metadata.get("out_sharding") or metadata.get("sharding_names")
         return (tuple(names) if names else None), False
-    if isinstance(box, linen_meta.LogicallyPartitioned):
+    if isinstance(box, LogicallyPartitioned):
         return tuple(box.names), False
     return tuple(box.names), True  # nn.Partitioned: mesh axis names
 

@@ -13,7 +13,9 @@ Pick a mesh and a strategy, create the state sharded, decorate a step:
 """
 
 from parallax import analysis as analysis
+from parallax import models as models
 from parallax import rules as rules
+from parallax import testing as testing
 from parallax.grad import value_and_grad as value_and_grad
 from parallax.mesh import make_hybrid_mesh as make_hybrid_mesh
 from parallax.mesh import make_mesh as make_mesh
@@ -50,8 +52,10 @@ __all__ = [
     "init",
     "make_hybrid_mesh",
     "make_mesh",
+    "models",
     "rules",
     "shard",
+    "testing",
     "train_step",
     "value_and_grad",
 ]

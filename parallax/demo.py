@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from parallax import presets
+from parallax import presets, testing
 from parallax.analysis import hlo
 from parallax.mesh import describe, make_mesh
 from parallax.state import TrainState
@@ -93,31 +93,12 @@ def run(strategy: str = "dp+fsdp+tp", steps: int = 30, batch: int = 16,
     state_bytes = _state_bytes_on_first_device(state)
     seconds = time.perf_counter() - start
 
-    reference = _reference_losses(make_state, data, progress)
+    if progress:
+        print("the same steps as a plain jax.jit program on one device ...", flush=True)
+    reference = testing.train(make_state, next_token_loss, data).losses
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
     return DemoResult(strategy, describe(mesh), losses, reference, diff,
                       hlo.collectives(compiled, mesh), hlo.memory(compiled), state_bytes, seconds)
-
-
-def _reference_losses(make_state, data, progress) -> list[float]:
-    """The same training as a plain jitted program on one device: no parallax in the loop."""
-    device = jax.devices()[0]
-    with jax.default_device(device):
-        state = make_state()
-        from parallax.models import next_token_loss
-
-        @jax.jit
-        def step(state, batch):
-            def loss(params):
-                return next_token_loss(nnx.merge(state.graphdef, params, state.rest), batch)
-            value, grads = jax.value_and_grad(loss)(state.params)
-            return state.apply_gradients(grads), value
-
-        losses = []
-        for b in _progress(data, "same steps on 1 device", progress):
-            state, value = step(state, jax.device_put(b, device))
-            losses.append(float(value))
-    return losses
 
 
 def _progress(items, description, enabled):

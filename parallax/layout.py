@@ -71,8 +71,11 @@ def choose_shard_dim(base, shape, names, ways: int) -> int | None:
     return max(candidates, key=lambda d: (shape[d], -d))
 
 
-def param_layouts(params, strategy: Strategy, mesh, api: str) -> list[LeafLayout]:
-    """One :class:`LeafLayout` per array leaf of ``params``, in ``jax.tree.leaves`` order."""
+def param_layouts(params, strategy: Strategy, mesh, api: str, prefix: tuple = ()) -> list[LeafLayout]:
+    """One :class:`LeafLayout` per array leaf of ``params``, in ``jax.tree.leaves`` order.
+
+    ``prefix`` is where ``params`` sits in the tree the user passed, for error messages.
+    """
     table = strategy.rule_table
     ways = mesh.shape[strategy.shard_axis] if strategy.shard_axis else 1
     layouts = []
@@ -80,7 +83,7 @@ def param_layouts(params, strategy: Strategy, mesh, api: str) -> list[LeafLayout
         shape = tuple(getattr(leaf.leaf, "shape", ()))
         base = rules_lib.resolve_spec(
             leaf.names, shape, table, mesh, api=api, physical=leaf.physical,
-            path=jax.tree_util.keystr(leaf.path),
+            path=jax.tree_util.keystr(prefix + leaf.path),
         )
         dim = choose_shard_dim(base, shape, leaf.names, ways) if ways > 1 else None
         layouts.append(LeafLayout(leaf.path, shape, base, dim))
@@ -128,7 +131,7 @@ class StateLayout:
 def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
     """Lays out a whole training state (concrete or abstract) under ``strategy``."""
     prefix = params_prefix(state)
-    layouts = param_layouts(_params_of(state, prefix), strategy, mesh, api)
+    layouts = param_layouts(_params_of(state, prefix), strategy, mesh, api, prefix)
     by_path = {lay.path: lay for lay in layouts}
     longest = max((len(p) for p in by_path), default=0)
     stage, axis = strategy.zero_stage, strategy.shard_axis

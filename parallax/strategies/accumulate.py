@@ -52,21 +52,24 @@ def accumulate(value_and_grad_fn, params, batch, microbatches: int, *, api="px.v
     if microbatches == 1:
         return value_and_grad_fn(params, batch)
     chunks = split_microbatches(batch, microbatches, api)
-    first = jax.tree.map(lambda x: x[0], chunks)
-    (loss0, aux0), grads0 = jax.eval_shape(value_and_grad_fn, params, first)
 
-    def wide(s):
-        dtype = jnp.promote_types(s.dtype, jnp.float32) if jnp.issubdtype(
-            s.dtype, jnp.floating) else s.dtype
-        return jnp.zeros(s.shape, dtype)
+    def wide(x):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        return x
 
+    # The first micro-batch seeds the sums: its values already have the right types, including
+    # which mesh axes they vary over inside shard_map, which zeros would not.
+    first = value_and_grad_fn(params, jax.tree.map(lambda x: x[0], chunks))
+    (loss0, aux0), grads0 = first
     init = jax.tree.map(wide, (loss0, aux0, grads0))
 
     def body(carry, chunk):
         (loss, aux), grads = value_and_grad_fn(params, chunk)
         return jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry, (loss, aux, grads)), None
 
-    (loss, aux, grads), _ = jax.lax.scan(body, init, chunks)
+    rest = jax.tree.map(lambda x: x[1:], chunks)
+    (loss, aux, grads), _ = jax.lax.scan(body, init, rest)
 
     def mean(total, like):
         if jnp.issubdtype(like.dtype, jnp.floating):

@@ -1,0 +1,26 @@
+"""Reference models in pure Flax NNX, annotated with logical axes: ``MLP`` and ``GPT``.
+
+Both build and run on one device with no mesh; a strategy reads their logical names
+(``"embed"``, ``"mlp"``, ``"heads"``, ``"kv"``, ``"vocab"``, ``"layers"``, ...) and shards them.
+See ``docs/models.md``.
+"""
+
+from parallax.models.gpt import GPT as GPT
+from parallax.models.gpt import GPTConfig as GPTConfig
+from parallax.models.gpt import block_forward as block_forward
+from parallax.models.gpt import flops_per_token as flops_per_token
+from parallax.models.gpt import next_token_loss as next_token_loss
+from parallax.models.gpt import param_count as param_count
+from parallax.models.mlp import MLP as MLP
+from parallax.models.mlp import mse_loss as mse_loss
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "MLP",
+    "block_forward",
+    "flops_per_token",
+    "mse_loss",
+    "next_token_loss",
+    "param_count",
+]

@@ -1,0 +1,257 @@
+"""Building blocks of the reference models: annotated params, Dense, LayerNorm, attention, MLP.
+
+Every parameter made here carries one logical name per dimension (``out_sharding`` metadata)
+and ``eager_sharding=False``, so the models build on one device with no mesh: flax 0.12
+would otherwise try to shard an annotated variable the moment it is created, and raise
+outside a mesh. A strategy reads the names later and shards the state itself (``px.init``).
+
+References:
+  Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+  Model Parallelism", 2019 (the column/row naming of kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallax.rules import constrain
+
+Initializer = nnx.initializers.Initializer
+Names = tuple[str | None, ...]
+HEADS = ("batch", None, "heads", "kv")  # sequence left whole: attention reads all of it
+
+
+def annotated_param(
+    init: Initializer,
+    key: jax.Array | None,
+    shape: Sequence[int],
+    names: Names,
+    dtype: jnp.dtype = jnp.float32,
+) -> nnx.Param:
+    """Creates an ``nnx.Param`` with one logical name per dimension.
+
+    Args:
+      init: a ``jax.nn.initializers`` style function ``(key, shape, dtype) -> array``.
+      key: the PRNG key for ``init``; None for a deterministic one (ones, zeros).
+      shape: the parameter's shape.
+      names: one logical name (or None) per dimension, e.g. ``("embed", "mlp")``.
+      dtype: the parameter's storage dtype.
+
+    Returns:
+      An ``nnx.Param`` whose metadata holds ``out_sharding=names`` and
+      ``eager_sharding=False``.
+
+    Raises:
+      ValueError: ``names`` does not have one entry per dimension of ``shape``.
+
+    Example:
+      >>> import jax, parallax.models.layers as L
+      >>> from flax import nnx
+      >>> p = L.annotated_param(nnx.initializers.zeros, jax.random.key(0), (4, 8), ("embed", "mlp"))
+      >>> p.get_metadata()["out_sharding"]
+      ('embed', 'mlp')
+    """
+    shape, names = tuple(shape), tuple(names)
+    if len(names) != len(shape):
+        raise ValueError(
+            f"annotated_param: shape {shape} has {len(shape)} dimensions but names {names} "
+            f"has {len(names)}; give one logical name (or None) per dimension."
+        )
+    return nnx.Param(init(key, shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+class Dense(nnx.Module):
+    """A linear layer ``y = x . kernel + bias`` over any number of input and output dims.
+
+    The kernel has shape ``in_shape + out_shape`` and contracts the last ``len(in_shape)``
+    dimensions of ``x``; e.g. a query projection is ``Dense((D,), (H, K))`` and an attention
+    output projection ``Dense((H, K), (D,))``, so heads stay a named dimension of their own.
+
+    Args:
+      in_shape: the contracted trailing dimensions of the input.
+      out_shape: the dimensions the output gains.
+      names: logical names of the kernel, one per dimension of ``in_shape + out_shape``; the
+        bias takes the output part.
+      rngs: the ``nnx.Rngs`` to draw the kernel from (stream ``params``).
+      kernel_init: the kernel initializer (bias is zeros).
+      use_bias: add a bias (zeros at init).
+      dtype: compute dtype (params are cast to it); None keeps the input's.
+      param_dtype: storage dtype of the params.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.models.layers import Dense
+      >>> layer = Dense((8,), (2, 4), ("embed", "heads", "kv"), rngs=nnx.Rngs(0))
+      >>> layer(jnp.ones((3, 8))).shape
+      (3, 2, 4)
+    """
+
+    def __init__(
+        self,
+        in_shape: Sequence[int],
+        out_shape: Sequence[int],
+        names: Names,
+        *,
+        rngs: nnx.Rngs,
+        kernel_init: Initializer = nnx.initializers.normal(0.02),
+        use_bias: bool = True,
+        dtype: jnp.dtype | None = None,
+        param_dtype: jnp.dtype = jnp.float32,
+    ):
+        in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+        names = tuple(names)
+        self.num_in = len(in_shape)
+        self.dtype = dtype
+        self.kernel = annotated_param(
+            kernel_init, rngs.params(), in_shape + out_shape, names, param_dtype
+        )
+        self.bias = annotated_param(
+            nnx.initializers.zeros, None, out_shape, names[self.num_in :], param_dtype
+        ) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or x.dtype
+        kernel = jnp.asarray(self.kernel[...], dtype)
+        y = jnp.tensordot(jnp.asarray(x, dtype), kernel, axes=self.num_in)
+        return y if self.bias is None else y + jnp.asarray(self.bias[...], dtype)
+
+
+class LayerNorm(nnx.Module):
+    """Layer normalisation over the last dimension, with statistics in float32.
+
+    Args:
+      features: size of the normalised (last) dimension.
+      names: the logical name of that dimension (``("embed",)`` in the models).
+      epsilon: added to the variance (1e-5, as GPT-2).
+      dtype: output dtype; None keeps the input's.
+      param_dtype: storage dtype of ``scale`` (ones) and ``bias`` (zeros).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from parallax.models.layers import LayerNorm
+      >>> LayerNorm(8)(jnp.arange(16.0).reshape(2, 8)).shape
+      (2, 8)
+    """
+
+    def __init__(
+        self,
+        features: int,
+        names: Names = ("embed",),
+        *,
+        epsilon: float = 1e-5,
+        dtype: jnp.dtype | None = None,
+        param_dtype: jnp.dtype = jnp.float32,
+    ):
+        ones, zeros = nnx.initializers.ones, nnx.initializers.zeros
+        self.scale = annotated_param(ones, None, (features,), names, param_dtype)
+        self.bias = annotated_param(zeros, None, (features,), names, param_dtype)
+        self.epsilon = epsilon
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or x.dtype
+        # Mean and variance in fp32: in bf16 the variance of a wide residual stream is noisy.
+        x32 = jnp.asarray(x, jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+        y = y * jnp.asarray(self.scale[...], jnp.float32) + jnp.asarray(self.bias[...], jnp.float32)
+        return jnp.asarray(y, dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention over ``[B, T, D]``, heads a dimension of their own.
+
+    q, k and v are ``[B, T, H, K]`` (``jax.nn.dot_product_attention``'s layout). Their
+    kernels ``[D, H, K]`` are column parallel (named ``"heads"``, split under tensor
+    parallelism), the output kernel ``[H, K, D]`` row parallel.
+
+    Args:
+      embed_dim: D, a multiple of ``num_heads``.
+      num_heads: H; head_dim K = D / H.
+      rngs: the ``nnx.Rngs`` for the kernels.
+      kernel_init: init of the q/k/v kernels.
+      out_init: init of the output kernel (GPT-2 scales it down with depth).
+      dtype: compute dtype; None keeps the input's.
+      param_dtype: storage dtype of the params.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.models.layers import CausalSelfAttention
+      >>> CausalSelfAttention(8, 2, rngs=nnx.Rngs(0))(jnp.ones((1, 5, 8))).shape
+      (1, 5, 8)
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        rngs: nnx.Rngs,
+        kernel_init: Initializer = nnx.initializers.normal(0.02),
+        out_init: Initializer = nnx.initializers.normal(0.02),
+        dtype: jnp.dtype | None = None,
+        param_dtype: jnp.dtype = jnp.float32,
+    ):
+        d, h, k = embed_dim, num_heads, embed_dim // num_heads
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        names = ("embed", "heads", "kv")
+        self.query = Dense((d,), (h, k), names, kernel_init=kernel_init, **kw)
+        # No key bias: it adds q . b to every score of a query's row, which softmax cancels.
+        # Its gradient is zero in exact arithmetic, so it would train only on rounding noise
+        # (amplified by Adam), and parallel runs could not reproduce one device's values.
+        self.key = Dense((d,), (h, k), names, kernel_init=kernel_init, use_bias=False, **kw)
+        self.value = Dense((d,), (h, k), names, kernel_init=kernel_init, **kw)
+        self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), kernel_init=out_init, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q = constrain(self.query(x), HEADS)
+        k = constrain(self.key(x), HEADS)
+        v = constrain(self.value(x), HEADS)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, K]
+        return self.out(constrain(y, HEADS))
+
+
+class FeedForward(nnx.Module):
+    """A transformer block's MLP: fc (column parallel) -> GELU -> proj (row parallel).
+
+    Args:
+      embed_dim: D, the input and output width.
+      mlp_dim: F, the hidden width (named ``"mlp"``).
+      rngs: the ``nnx.Rngs`` for the kernels.
+      kernel_init: init of the fc kernel.
+      out_init: init of the proj kernel.
+      dtype: compute dtype; None keeps the input's.
+      param_dtype: storage dtype of the params.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.models.layers import FeedForward
+      >>> FeedForward(8, 32, rngs=nnx.Rngs(0))(jnp.ones((1, 5, 8))).shape
+      (1, 5, 8)
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        mlp_dim: int,
+        *,
+        rngs: nnx.Rngs,
+        kernel_init: Initializer = nnx.initializers.normal(0.02),
+        out_init: Initializer = nnx.initializers.normal(0.02),
+        dtype: jnp.dtype | None = None,
+        param_dtype: jnp.dtype = jnp.float32,
+    ):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.fc = Dense((embed_dim,), (mlp_dim,), ("embed", "mlp"), kernel_init=kernel_init, **kw)
+        self.proj = Dense((mlp_dim,), (embed_dim,), ("mlp", "embed"), kernel_init=out_init, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.proj(constrain(jax.nn.gelu(self.fc(x)), ("batch", None, "mlp")))

@@ -3,7 +3,9 @@
 import fixtures as fx
 import jax
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
@@ -101,7 +103,8 @@ def test_hsdp_moves_only_the_owned_slice_across_data():
 
 def test_gpt_state_is_created_sharded_and_matches_the_formula():
     mesh = px.make_mesh(fsdp=SHARDS)
-    state = px.init(fx.gpt_state, mesh, px.FSDP("fsdp"))
+    make = lambda: px.TrainState.create(px.models.GPT(fx.GPT_CONFIG, rngs=nnx.Rngs(0)), optax.adam(1e-3))
+    state = px.init(make, mesh, px.FSDP("fsdp"))
     n = num_params(state)
     assert n == px.models.param_count(fx.GPT_CONFIG)
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))

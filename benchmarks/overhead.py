@@ -3,7 +3,9 @@
 Both programs train the same GPT with the same shardings: the hand-written one is a
 ``jax.jit`` with ``NamedSharding`` in/out shardings (taken from parallax's layout, so the
 layout is identical), ``jax.value_and_grad`` and an optax update, leaving every collective to
-XLA. They are timed alternately in one run (shared machines are noisy: only the ratio of two
+XLA. The model's activation constraints (``px.constrain``) resolve through the same rules in
+both, since without them XLA picks different (here: worse) activation layouts and the two
+programs would differ in more than what parallax adds. They are timed alternately in one run (shared machines are noisy: only the ratio of two
 programs measured together means anything), and their compiled programs are compared
 collective by collective.
 
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import parallax as px
-    from parallax import layout, presets
+    from parallax import context, layout, presets
     from parallax.analysis import hlo
     from parallax.mesh import describe
     from parallax.demo import batches, demo_tokens
@@ -53,8 +55,10 @@ def main(argv=None) -> int:
     mesh = px.make_mesh(**axes)
     batch = next(batches(demo_tokens(), args.batch, config.max_seq_len, 1))
 
+    tx = optax.adamw(1e-3)  # one optimizer object: every state then has the same tree structure
+
     def make_state():
-        return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(0)), optax.adamw(1e-3))
+        return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(0)), tx)
 
     def px_step(strategy):
         @px.train_step(mesh, strategy)
@@ -72,9 +76,13 @@ def main(argv=None) -> int:
         lambda _: jax.NamedSharding(mesh, layout.batch_spec(explicit)), batch)
 
     def hand_step(state, batch):
-        def loss(params):
-            return px.models.next_token_loss(nnx.merge(state.graphdef, params, state.rest), batch)
-        value, grads = jax.value_and_grad(loss)(state.params)
+        # The model's px.constrain calls resolve through the same rules, so both programs
+        # carry the same activation constraints; nothing else of parallax runs here.
+        with context.activate(context.StepContext(mesh, gspmd)):
+            def loss(params):
+                model = nnx.merge(state.graphdef, params, state.rest)
+                return px.models.next_token_loss(model, batch)
+            value, grads = jax.value_and_grad(loss)(state.params)
         return state.apply_gradients(grads), {"loss": value}
 
     hand = jax.jit(hand_step, in_shardings=(state_sh, batch_sh),
@@ -91,16 +99,17 @@ def main(argv=None) -> int:
     runners["hand-written jit"] = hand
 
     times = {name: [] for name in runners}
-    for _ in range(2):  # warm-up
-        for name, run in runners.items():
-            states[name], m = run(states[name], batch)
-            jax.block_until_ready(m)
-    for _ in range(args.steps):  # alternate, so drifts in machine load hit all equally
-        for name, run in runners.items():
-            start = time.perf_counter()
-            states[name], m = run(states[name], batch)
-            jax.block_until_ready((states[name], m))
-            times[name].append(time.perf_counter() - start)
+    with jax.set_mesh(mesh):  # the hand-written step's constraints need the mesh in context
+        for _ in range(2):  # warm-up
+            for name, run in runners.items():
+                states[name], m = run(states[name], batch)
+                jax.block_until_ready(m)
+        for _ in range(args.steps):  # alternate, so drifts in machine load hit all equally
+            for name, run in runners.items():
+                start = time.perf_counter()
+                states[name], m = run(states[name], batch)
+                jax.block_until_ready((states[name], m))
+                times[name].append(time.perf_counter() - start)
 
     base = statistics.median(times["hand-written jit"])
     hand_colls = sorted((s.kind, s.axes, s.count, s.message_bytes)

@@ -14,6 +14,7 @@ Pick a mesh and a strategy, create the state sharded, decorate a step:
 
 from parallax import analysis as analysis
 from parallax import models as models
+from parallax import pipeline as pipeline
 from parallax import rules as rules
 from parallax import testing as testing
 from parallax.grad import value_and_grad as value_and_grad
@@ -53,6 +54,7 @@ __all__ = [
     "make_hybrid_mesh",
     "make_mesh",
     "models",
+    "pipeline",
     "rules",
     "shard",
     "testing",

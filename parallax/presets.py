@@ -30,7 +30,7 @@ def parse(name: str, tensor: int = 2) -> tuple[dict[str, int], Strategy]:
     Example:
       >>> axes, strategy = parse("dp+fsdp+tp")
       >>> axes
-      {'data': 2, 'fsdp': 2, 'tensor': 2}
+      {'tensor': 2, 'fsdp': 2, 'data': -1}
     """
     spelled = ALIASES.get(name, name)
     parts = [p for p in spelled.split("+") if p]

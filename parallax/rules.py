@@ -18,7 +18,7 @@ Example:
   >>> import jax, parallax as px
   >>> mesh = px.make_mesh(data=4, tensor=2)
   >>> px.rules.resolve_spec(("embed", "mlp"), (64, 256), {"mlp": "tensor"}, mesh)
-  PartitionSpec(None, 'tensor')
+  P(None, 'tensor')
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def shard(tree, mesh: Mesh, strategy: Strategy | None = None):
       >>> import jax.numpy as jnp, parallax as px
       >>> params = px.shard({"w": jnp.ones((8, 4))}, px.make_mesh(data=-1), px.FSDP("data"))
       >>> params["w"].sharding.spec
-      PartitionSpec('data', None)
+      P('data', None)
     """
     strategy = _strategy(strategy, mesh, "px.shard")
     return jax.device_put(tree, layout.state_shardings(tree, strategy, mesh, "px.shard"))

@@ -9,9 +9,9 @@ reads ``memory_analysis()``. Every communication and memory claim in parallax is
 through it.
 
 Example:
-  >>> import jax, jax.numpy as jnp
+  >>> import jax, jax.numpy as jnp, parallax as px
   >>> from parallax.analysis import hlo
-  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  >>> mesh = px.make_mesh(data=-1)
   >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
   ...             in_specs=jax.P("data"), out_specs=jax.P()))
   >>> [c.kind for c in hlo.collectives(f.lower(jnp.ones(jax.device_count())), mesh)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,29 @@ from parallax.rules import as_tuple
 from parallax.strategies.accumulate import accumulate, check_microbatches
 
 API = "px.value_and_grad"
+
+
+class GradRequest(NamedTuple):
+    """What a strategy's gradient producer (``Strategy.grad_fn``) is asked to compute.
+
+    ``grad_fn(request, params, batch) -> ((loss, aux), grads)`` runs on each device's slice
+    of the batch (inside the data-parallel ``shard_map`` in the explicit style) and must not
+    synchronise over the batch axes: ``px.value_and_grad`` does that afterwards.
+
+    Attributes:
+      value_and_grad: ``(params, batch) -> ((loss, aux), grads)``, the plain computation.
+      loss_fn: the user's loss function (a producer may look inside it, e.g. a pipeline
+        reads the stages of a ``parallax.pipeline`` loss).
+      rebuild: ``params -> what loss_fn takes`` (the NNX module, or the params themselves).
+      args: the extra arguments passed to ``loss_fn`` after the batch.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    """
+
+    value_and_grad: Callable
+    loss_fn: Callable
+    rebuild: Callable
+    args: tuple
+    has_aux: bool
 
 
 def _split_target(target):
@@ -109,13 +133,15 @@ def value_and_grad(
                 f"{API}: microbatches={microbatches} was given, but the strategy "
                 f"{strategy.name} already decides how gradients are produced; pass one of them."
             )
-        split = microbatches or getattr(hook, "keywords", {}).get("microbatches") or 1
-        base_vg = jax.value_and_grad(local_loss, has_aux=True)
+        split = microbatches or (strategy.microbatches if strategy is not None else 1)
+        request = GradRequest(
+            jax.value_and_grad(local_loss, has_aux=True), loss_fn, rebuild, args, has_aux
+        )
 
         def produce(p, b):
             if hook is not None:
-                return hook(base_vg, p, b)
-            return accumulate(base_vg, p, b, split, api=API)
+                return hook(request, p, b)
+            return accumulate(request.value_and_grad, p, b, split, api=API)
 
         axes = tuple(a for a in (strategy.batch_axes if strategy else ()) if a in ctx.mesh.shape)
         shards = math.prod(ctx.mesh.shape[a] for a in axes) if axes else 1

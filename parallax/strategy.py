@@ -13,8 +13,10 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   (``psum`` for data parallel, ``psum_scatter`` for ZeRO 2/3, ``all_gather`` of parameters for
   ZeRO 3), so the compiled program holds exactly those collectives on every backend.
   ``"gspmd"`` leaves the batch axes to XLA's partitioner;
-- ``grad_fn``: an optional hook that replaces how gradients are produced (gradient
-  accumulation; pipeline schedules), called as ``grad_fn(value_and_grad, params, batch)``.
+- ``grad_fn``: an optional hook that replaces how gradients are produced on each device's
+  slice of the batch (gradient accumulation; pipeline schedules), called as
+  ``grad_fn(request, params, batch)`` with a ``parallax.grad.GradRequest``; ``microbatches``
+  is how many micro-batches it splits each slice into (checked against the batch up front).
 
 Example:
   >>> import parallax as px
@@ -48,7 +50,8 @@ class Strategy:
       zero_stage: 0 (nothing sharded), 1, 2 or 3.
       shard_axis: the mesh axis ZeRO shards over (None when ``zero_stage`` is 0).
       style: ``"explicit"`` or ``"gspmd"`` (see the module docstring); None = no preference.
-      grad_fn: optional gradient producer ``grad_fn(value_and_grad, params, batch)``.
+      grad_fn: optional gradient producer ``grad_fn(request, params, batch)``.
+      microbatches: micro-batches per device slice that ``grad_fn`` uses (1 without one).
     """
 
     name: str = "Replicated()"
@@ -58,6 +61,7 @@ class Strategy:
     shard_axis: str | None = None
     style: str | None = None
     grad_fn: Callable | None = None
+    microbatches: int = 1
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -185,6 +189,7 @@ def compose(*strategies: Strategy) -> Strategy:
         shard_axis=zeros[0].shard_axis if zeros else None,
         style=styles.pop() if styles else None,
         grad_fn=producers[0].grad_fn if producers else None,
+        microbatches=producers[0].microbatches if producers else 1,
     )
 
 

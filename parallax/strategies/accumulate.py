@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -95,6 +93,10 @@ def GradientAccumulation(microbatches: int) -> Strategy:
       Huang et al., "GPipe", 2019 (micro-batches and gradient accumulation).
     """
     check_microbatches({}, microbatches, "px.GradientAccumulation")
-    # A partial keeps ``microbatches`` visible (``hook.keywords``) for up-front batch checks.
-    hook = functools.partial(accumulate, microbatches=microbatches, api="px.GradientAccumulation")
-    return Strategy(name=f"GradientAccumulation({microbatches})", grad_fn=hook)
+
+    def grad_fn(request, params, batch):
+        return accumulate(request.value_and_grad, params, batch, microbatches,
+                          api="px.GradientAccumulation")
+
+    return Strategy(name=f"GradientAccumulation({microbatches})", grad_fn=grad_fn,
+                    microbatches=microbatches)

@@ -13,6 +13,7 @@ Pick a mesh and a strategy, create the state sharded, decorate a step:
 """
 
 from parallax import analysis as analysis
+from parallax import comm as comm
 from parallax import models as models
 from parallax import pipeline as pipeline
 from parallax import rules as rules
@@ -48,6 +49,7 @@ __all__ = [
     "TrainStep",
     "ZeRO",
     "analysis",
+    "comm",
     "compose",
     "constrain",
     "init",

@@ -68,12 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     comm = kinds.add_parser("comm", help="nccl-tests style collective benchmark")
     comm.add_argument("--devices", type=int, default=8,
                       help="simulated CPU devices when no accelerator is present")
-    try:
-        from parallax.comm import bench as comm_bench
+    from parallax.comm import bench as comm_bench
 
-        comm_bench.add_arguments(comm)
-    except ImportError:  # parallax.comm not built in this checkout
-        pass
+    comm_bench.add_arguments(comm)
     comm.set_defaults(run=_bench_comm)
     return parser
 

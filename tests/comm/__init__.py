@@ -1,0 +1,1 @@
+"""Tests of parallax.comm (a package, so its test module names cannot clash)."""

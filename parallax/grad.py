@@ -19,7 +19,6 @@ makes the mean over equal shards exactly the full batch's value.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -30,6 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from parallax import context, layout
+from parallax.mesh import axis_size
 from parallax.rules import as_tuple
 from parallax.strategies.accumulate import accumulate, check_microbatches
 
@@ -144,7 +144,7 @@ def value_and_grad(
             return accumulate(request.value_and_grad, p, b, split, api=API)
 
         axes = tuple(a for a in (strategy.batch_axes if strategy else ()) if a in ctx.mesh.shape)
-        shards = math.prod(ctx.mesh.shape[a] for a in axes) if axes else 1
+        shards = axis_size(ctx.mesh, axes) if axes else 1
         check_microbatches(batch, split, API, shards)
         if not axes or strategy.sync_style == "gspmd":
             (loss, aux), grads = produce(params, batch)

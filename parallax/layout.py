@@ -27,7 +27,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallax import rules as rules_lib
-from parallax.mesh import describe
+from parallax.mesh import axes_text, axis_size, describe
 from parallax.strategy import Strategy
 
 LAYERS = "layers"
@@ -181,9 +181,7 @@ def batch_spec(strategy: Strategy) -> PartitionSpec:
 def check_batch(batch, strategy: Strategy, mesh, api: str) -> None:
     """Every batch leaf needs a leading dimension divisible by the batch shards."""
     axes = strategy.batch_axes
-    ways = 1
-    for a in axes:
-        ways *= mesh.shape[a]
+    ways = axis_size(mesh, axes)
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = tuple(getattr(leaf, "shape", ()))
         where = jax.tree_util.keystr(path) or "batch"
@@ -193,11 +191,10 @@ def check_batch(batch, strategy: Strategy, mesh, api: str) -> None:
                 "leading batch dimension. Pass constants as extra arguments to the step."
             )
         if shape[0] % ways:
-            sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
             raise ValueError(
                 f"{api}: the batch leaf {where} has shape {shape}: its leading (batch) "
                 f"dimension {shape[0]} is not divisible by the {ways} batch shards "
-                f"({sizes}) of {strategy.name} on the mesh {describe(mesh)}; use a batch "
+                f"({axes_text(mesh, axes)}) of {strategy.name} on the mesh {describe(mesh)}; use a batch "
                 f"size that is a multiple of {ways}."
             )
 

@@ -229,6 +229,11 @@ def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def axes_text(mesh: Mesh, axes: Sequence[str]) -> str:
+    """``'data=2 x fsdp=4'``: some mesh axes with their sizes, for messages."""
+    return _factors({a: mesh.shape[a] for a in axes})
+
+
 def describe(mesh: Mesh) -> str:
     """``'data=2 x fsdp=2 x tensor=2 (8 cpu devices)'``: a mesh in one line for messages."""
     platform = mesh.devices.flat[0].platform

@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -34,6 +33,7 @@ from flax.linen.spmd import LogicallyPartitioned
 from jax.sharding import PartitionSpec
 
 from parallax import context
+from parallax.mesh import axes_text, axis_size
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -137,12 +137,12 @@ def resolve_spec(
                     f"the mesh does not have (axes {tuple(mesh.axis_names)}); add it to the "
                     "mesh or change the rule."
                 )
-        ways = math.prod(mesh.shape[a] for a in axes)
+        ways = axis_size(mesh, axes)
         if size % ways:
-            sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
             raise ValueError(
                 f"{api}: cannot shard{where} of shape {shape}: dimension {dim} "
-                f"({name!r}, size {size}) maps to mesh axes {sizes} ({ways} shards), and "
+                f"({name!r}, size {size}) maps to mesh axes {axes_text(mesh, axes)} "
+                f"({ways} shards), and "
                 f"{size} is not divisible by {ways}. Fix: make that dimension a multiple of "
                 f"{ways} (pad it), or map {name!r} to None in the rules."
             )

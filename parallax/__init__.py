@@ -29,6 +29,7 @@ from parallax.step import shard as shard
 from parallax.step import train_step as train_step
 from parallax.strategies import FSDP as FSDP
 from parallax.strategies import HSDP as HSDP
+from parallax.strategies import Pipeline as Pipeline
 from parallax.strategies import DataParallel as DataParallel
 from parallax.strategies import GradientAccumulation as GradientAccumulation
 from parallax.strategies import TensorParallel as TensorParallel
@@ -43,6 +44,7 @@ __all__ = [
     "FSDP",
     "GradientAccumulation",
     "HSDP",
+    "Pipeline",
     "Strategy",
     "TensorParallel",
     "TrainState",

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec
 
 from parallax import context, layout
 from parallax.mesh import axis_size
+from parallax.vma import to_varying
 from parallax.rules import as_tuple
 from parallax.strategies.accumulate import accumulate, check_microbatches
 
@@ -65,19 +66,6 @@ def _split_target(target):
         graphdef, params, rest = nnx.split(target, nnx.Param, ...)
         return params, lambda p: nnx.merge(graphdef, p, rest)
     return target, lambda p: p
-
-
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def _to_varying(x, axes):
-    missing = tuple(a for a in axes if a not in _varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _mean_over(x, axes, shards):
@@ -201,7 +189,7 @@ def _explicit(produce, params, batch, ctx, axes, shards):
     rest_axes = tuple(a for a in axes if a != zero_axis)
 
     def gather(x, lay):
-        x = _to_varying(x, axes)
+        x = to_varying(x, axes)
         if stage >= 3 and lay.shard_dim is not None:
             x = lax.all_gather(x, zero_axis, axis=lay.shard_dim, tiled=True)
         return x
@@ -224,7 +212,7 @@ def _explicit(produce, params, batch, ctx, axes, shards):
             for g, lay in zip(jax.tree.leaves(grads), lays)
         ]
         loss = _mean_over(loss, axes, shards)
-        aux = jax.tree.map(lambda a: _mean_over(_to_varying(a, axes), axes, shards), aux)
+        aux = jax.tree.map(lambda a: _mean_over(to_varying(a, axes), axes, shards), aux)
         return loss, aux, synced
 
     mapped = jax.shard_map(

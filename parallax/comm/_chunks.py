@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallax.vma import to_varying as to_varying  # re-exported for the algorithms
+
 COMBINE = {"sum": lax.add, "mean": lax.add, "max": lax.max, "min": lax.min, "prod": lax.mul}
 
 
@@ -22,19 +24,6 @@ def finish(y, op: str, n: int):
     """Applies the last step of a reduction: ``mean`` divides by ``n`` (ints become floats,
     as ``lax.pmean`` does)."""
     return y / n if op == "mean" else y
-
-
-def to_varying(x, axis):
-    """Marks ``x`` as varying over ``axis`` (a no-op when it already is, or without vma checks).
-
-    A constant (``jnp.zeros``) is invariant; a buffer that will hold what ``ppermute`` brings
-    must be varying, or ``check_vma=True`` shard_maps reject the mix.
-    """
-    names = axis if isinstance(axis, tuple) else (axis,)
-    mat = getattr(jax.typeof(x), "mat", None)
-    varying = getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
-    missing = tuple(a for a in names if a not in varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def chunk_size(size: int, n: int) -> int:

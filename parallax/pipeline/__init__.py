@@ -1,4 +1,4 @@
-"""Pipeline parallelism, the pure-Python half: schedules as data, partitioning, profiling.
+"""Pipeline parallelism: schedules as data, one SPMD runtime, partitioning, profiling.
 
 A schedule is a validated table (tick x stage -> action) that a lock-step SPMD runtime reads
 directly; it is printed, plotted and costed before anything runs:
@@ -11,9 +11,25 @@ directly; it is printed, plotted and costed before anything runs:
     records = px.pipeline.profile(layers, sample)
     plan = px.pipeline.partition(records, stages=4, method="pipedream", bandwidth=1e10)
 
-See ``docs/pipeline.md`` for the tick model and the formulas.
+The runtime executes any schedule's table in one ``jit`` (``shard_map`` over the stage axis,
+a ``lax.scan`` over ticks); a pipelined loss is a :class:`Stages` value:
+
+    loss = px.pipeline.Stages(first, stage, last, layers)     # loss(model, batch) = sequential
+    with jax.set_mesh(mesh):
+        value, grads = jax.jit(px.pipeline.value_and_grad(loss, "1f1b", microbatches=8))(
+            model, batch)
+
+Inside ``px.train_step``, the ``Pipeline`` strategy (``parallax.strategies.pipeline``) does
+the same from ``px.value_and_grad(loss)``; ``gpipe_value_and_grad`` is GPipe as a forward
+scan differentiated by autodiff.
+
+See ``docs/pipeline.md`` for the tick model, the runtime, the formulas and measurements.
 """
 
+from parallax.pipeline.gpipe import gpipe_value_and_grad as gpipe_value_and_grad
+from parallax.pipeline.grad import POLICIES as POLICIES
+from parallax.pipeline.grad import REMAT as REMAT
+from parallax.pipeline.grad import value_and_grad as value_and_grad
 from parallax.pipeline.partition import METHODS as METHODS
 from parallax.pipeline.partition import Plan as Plan
 from parallax.pipeline.partition import partition as partition
@@ -23,15 +39,21 @@ from parallax.pipeline.schedule import Action as Action
 from parallax.pipeline.schedule import Schedule as Schedule
 from parallax.pipeline.schedules import SCHEDULES as SCHEDULES
 from parallax.pipeline.schedules import schedule as schedule
+from parallax.pipeline.stages import Stages as Stages
 
 __all__ = [
     "METHODS",
+    "POLICIES",
+    "REMAT",
     "SCHEDULES",
     "Action",
     "LayerProfile",
     "Plan",
     "Schedule",
+    "Stages",
+    "gpipe_value_and_grad",
     "partition",
     "profile",
     "schedule",
+    "value_and_grad",
 ]

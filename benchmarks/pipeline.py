@@ -1,0 +1,150 @@
+"""Each pipeline schedule through the SPMD runtime: bubble, memory, traffic and step time.
+
+For GPipe, 1F1B (PipeDream-flush), 1F1B with the split backward, interleaved 1F1B and
+GPipe by autodiff of a forward scan, on the same model, mesh and batch, one run prints:
+
+- ``ticks`` and ``bubble``: the schedule's lock-step length and bubble fraction (f=1, b=2);
+- ``temp MB``: the compiled step's temporary bytes per device (``memory_analysis``);
+- ``permute MB``: collective-permute bytes per device per step, from the partitioned HLO
+  (the two per-tick ``ppermute``s; for interleaved also the layer moves of
+  ``parallax.pipeline.interleave``), and ``all-reduce MB`` (gradients of the parameters
+  outside the stack, summed over stages);
+- ``time``: the median step time relative to the sequential model (``jax.value_and_grad``
+  of the same ``Stages`` loss, jitted on one device), timed alternately in one run.
+
+On simulated CPU devices all stages share the host's cores, so the time ratio measures
+the pipeline's overhead and bubble on a machine with no parallel hardware, not a speedup;
+the HLO columns are exact on any backend.
+
+Usage:
+  python benchmarks/pipeline.py [--model toy|gpt] [--stages 4] [--microbatches 8]
+                                [--batch 32] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt", choices=["toy", "gpt"])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10, help="timed calls of each program")
+    parser.add_argument("--remat", default="never")
+    args = parser.parse_args(argv)
+
+    from parallax.cli import simulate_cpu_devices
+
+    print(simulate_cpu_devices(max(8, args.stages)))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import parallax as px
+    from parallax import pipeline as pp
+    from parallax.analysis import hlo
+    from parallax.strategies.pipeline import Pipeline
+
+    p, m = args.stages, args.microbatches
+    if args.model == "gpt":
+        from parallax.demo import batches, demo_tokens
+        from parallax.models.gpt_pipeline import next_token_stages as loss
+
+        config = px.models.GPTConfig.tiny(num_layers=2 * p)
+        target = px.models.GPT(config, rngs=nnx.Rngs(0))
+        batch = next(batches(demo_tokens(), args.batch, config.max_seq_len, 1))
+        what = f"GPT tiny with {config.num_layers} layers"
+    else:
+        width = 256
+        loss = pp.Stages(lambda q, b: b["x"] @ q["w_in"], lambda w, x: jnp.tanh(x @ w) + x,
+                         lambda q, x, b: jnp.mean((x @ q["w_out"] - b["y"]) ** 2),
+                         lambda q: q["layers"])
+        rng = np.random.default_rng(0)
+        target = {"w_in": rng.standard_normal((16, width), np.float32) / 4,
+                  "layers": rng.standard_normal((2 * p, width, width), np.float32) / 32,
+                  "w_out": rng.standard_normal((width, 4), np.float32)}
+        batch = {"x": rng.standard_normal((args.batch, 16), np.float32),
+                 "y": rng.standard_normal((args.batch, 4), np.float32)}
+        what = f"tanh(x @ w) + x, width {width}, {2 * p} layers"
+
+    mesh = px.make_mesh(stage=p, devices=jax.devices()[:p])
+    strategy = Pipeline("stage", microbatches=m)
+
+    def placed(tree):  # stacked layers over "stage", the rest replicated, as px.Pipeline does
+        if isinstance(tree, nnx.Module):
+            graphdef, state = nnx.split(tree)
+            return nnx.merge(graphdef, px.shard(state, mesh, strategy))
+        return px.shard(tree, mesh, strategy)
+
+    programs = {
+        "gpipe": pp.value_and_grad(loss, "gpipe", microbatches=m, remat=args.remat),
+        "1f1b": pp.value_and_grad(loss, "1f1b", microbatches=m, remat=args.remat),
+        "1f1b split": pp.value_and_grad(loss, "1f1b", microbatches=m, split_backward=True,
+                                        remat=args.remat),
+        "interleaved v=2": pp.value_and_grad(loss, "interleaved_1f1b", microbatches=m,
+                                             virtual_stages=2, remat=args.remat),
+        "gpipe autodiff": pp.gpipe_value_and_grad(
+            loss, microbatches=m, remat="always" if args.remat == "always" else "never"),
+    }
+    schedules = {
+        "gpipe": pp.schedule("gpipe", p, m), "1f1b": pp.schedule("1f1b", p, m),
+        "1f1b split": pp.schedule("1f1b", p, m, split_backward=True),
+        "interleaved v=2": pp.schedule("interleaved_1f1b", p, m, 2),
+        "gpipe autodiff": None,
+    }
+
+    device = jax.devices()[0]
+    seq_target = jax.device_put(target, device)
+    seq_batch = jax.device_put(batch, device)
+    sequential = jax.jit(jax.value_and_grad(loss)).lower(seq_target, seq_batch).compile()
+    compiled = {}
+    with jax.set_mesh(mesh):
+        dist_target, dist_batch = placed(target), jax.device_put(batch)
+        for name, fn in programs.items():
+            compiled[name] = jax.jit(fn).lower(dist_target, dist_batch).compile()
+
+    def timed(fn, *xs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*xs))
+        return time.perf_counter() - start
+
+    times = {name: [] for name in ["sequential", *compiled]}
+    for fn, xs in [(sequential, (seq_target, seq_batch))] + [
+            (c, (dist_target, dist_batch)) for c in compiled.values()]:
+        jax.block_until_ready(fn(*xs))  # warm up
+    for _ in range(args.steps):  # alternate, so load changes hit every program alike
+        times["sequential"].append(timed(sequential, seq_target, seq_batch))
+        for name, c in compiled.items():
+            times[name].append(timed(c, dist_target, dist_batch))
+    base = statistics.median(times["sequential"])
+
+    print(f"\n{what}; {p} stages, {m} micro-batches of {args.batch // m}, remat={args.remat!r}")
+    head = (f"{'schedule':<16}{'ticks':>6}{'bubble':>8}{'temp MB':>9}{'permute MB':>12}"
+            f"{'all-reduce MB':>15}{'time':>7}")
+    print(head)
+    print("-" * len(head))
+    seq_temp = hlo.memory(sequential).temp_bytes / 1e6
+    print(f"{'sequential':<16}{'':>6}{'':>8}{seq_temp:>9.2f}{0:>12.2f}{0:>15.2f}{1:>7.2f}")
+    for name, c in compiled.items():
+        found = hlo.collectives(c, mesh)
+        sched = schedules[name]
+        ticks = f"{sched.ticks}" if sched else f"{m + p - 1}"
+        bubble = f"{sched.bubble_fraction():.3f}" if sched else f"{(p - 1) / (m + p - 1):.3f}"
+        print(f"{name:<16}{ticks:>6}{bubble:>8}{hlo.memory(c).temp_bytes / 1e6:>9.2f}"
+              f"{hlo.total_bytes(found, 'collective-permute') / 1e6:>12.2f}"
+              f"{hlo.total_bytes(found, 'all-reduce') / 1e6:>15.2f}"
+              f"{statistics.median(times[name]) / base:>7.2f}")
+    print("\nbubble: lock-step bubble of the table (f=1, b=2); GPipe by autodiff runs "
+          "m + p - 1 forward ticks (the same bubble) and autodiff's reverse.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The GPT's next-token loss as pipeline stages: embedding, one block, head and loss.
+
+``next_token_stages`` is a :class:`parallax.pipeline.Stages`: called as
+``next_token_stages(model, batch)`` it is ``next_token_loss`` (the same operations in the
+same order); under ``px.Pipeline`` the runtime runs ``model.embed`` on the first virtual
+stage, the stacked ``model.blocks`` split over the stage axis, and ``model.unembed`` with the
+cross-entropy on the last.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from parallax.models import GPT, GPTConfig, next_token_loss
+  >>> from parallax.models.gpt_pipeline import next_token_stages
+  >>> model = GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> batch = {"tokens": jnp.arange(34, dtype=jnp.int32).reshape(2, 17)}
+  >>> bool(jnp.allclose(next_token_stages(model, batch), next_token_loss(model, batch)))
+  True
+
+References:
+  Huang et al. 2019, GPipe; Narayanan et al. 2021 (SC), Megatron-LM (embedding on the first
+  stage, head on the last).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+
+from parallax.models.gpt import GPT, Block, block_forward, next_token_loss
+from parallax.pipeline.stages import Stages
+
+
+def _tokens(batch: Mapping[str, jax.Array]) -> jax.Array:
+    tokens = batch["tokens"]
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(
+            f"next_token_stages: batch['tokens'] must have shape [batch, seq + 1] with "
+            f"seq >= 1, got {list(tokens.shape)}."
+        )
+    return tokens
+
+
+def embed_tokens(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """First stage: the residual stream of ``tokens[:, :-1]``, ``[B, T, D]``."""
+    return model.embed(_tokens(batch)[:, :-1])
+
+
+def apply_block(block: Block, x: jax.Array) -> jax.Array:
+    """One stage step: one transformer block (``block_forward``)."""
+    return block_forward(block, x)
+
+
+def head_loss(model: GPT, x: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """Last stage: ``next_token_loss`` with ``model.unembed(x)`` as the logits.
+
+    The loss itself is ``next_token_loss``'s code, called with a stand-in model that returns
+    these logits, so the two cannot drift apart.
+    """
+    return next_token_loss(lambda tokens: model.unembed(x), batch)
+
+
+next_token_stages = Stages(
+    first=embed_tokens, stage=apply_block, last=head_loss, layers=lambda model: model.blocks
+)

@@ -1,0 +1,183 @@
+"""The SPMD pipeline runtime: every schedule equals the sequential model and runs its table."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallax import pipeline as pp
+from parallax.pipeline import interleave
+from parallax.pipeline.grad import pipeline_grads
+from parallax.pipeline.plan import runtime_plan
+from parallax.testing import relative_difference
+
+from .runtime_testing import (TOY, compiled, pipelined, reference, stage_mesh, switch_dots,
+                              toy_batch, toy_params)
+
+MATRIX = [
+    (name, p, factor * p, v)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+    for p in (2, 4)
+    for factor in (1, 2, 4)
+]
+
+
+def assert_matches_sequential(loss, grads, layers, rtol=1e-5):
+    ref_loss, ref_grads = reference(layers)
+    assert relative_difference(loss, ref_loss) <= rtol
+    assert relative_difference(grads, ref_grads) <= rtol
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,p,m,v", MATRIX, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in MATRIX])
+def test_every_schedule_equals_the_sequential_model(name, p, m, v):
+    loss, grads, codes, sched = pipelined(name, p, m, v)
+    assert_matches_sequential(loss, grads, p * v)
+    # What ran is the table: each stage's switch took exactly the table's branch every tick.
+    np.testing.assert_array_equal(codes, sched.as_arrays().kind)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2)])
+def test_split_backward_schedules_and_chunks_of_several_layers(name, p, m, v):
+    loss, grads, codes, sched = pipelined(name, p, m, v, split_backward=True, per_chunk=2)
+    assert_matches_sequential(loss, grads, 2 * p * v)
+    np.testing.assert_array_equal(codes, sched.as_arrays().kind)
+
+
+def test_a_custom_schedule_runs_as_drawn():
+    # Zero-bubble style (ZB-H1 shape): stage 0 defers its weight gradients into the bubble.
+    sched = pp.Schedule.from_orders(
+        ["F0 F1 B0 B1 W0 W1", "F0 B0 W0 F1 B1 W1"], split_backward=True, name="zb")
+    params, batch = toy_params(2), toy_batch()
+
+    def run(params, batch):
+        return pipeline_grads(TOY, params, lambda p: p, batch, schedule=sched,
+                                      microbatches=2, remat="never", trace=True)
+
+    with jax.set_mesh(stage_mesh(2)):
+        loss, grads, codes = jax.jit(run)(params, batch)
+    assert_matches_sequential(loss, grads, 2)
+    np.testing.assert_array_equal(np.asarray(codes), sched.as_arrays().kind)
+
+
+def test_each_action_computes_only_its_part():
+    """From the compiled program: the tick loop's switch has four branches and a backward
+    branch holds no weight-gradient matmul, the weight branch no input-gradient one."""
+    params, batch = toy_params(2), toy_batch()
+    program = compiled(pp.value_and_grad(TOY, "1f1b", microbatches=4, remat="never"), 2,
+                       params, batch)
+    # idle: nothing. F: the layer, first (x @ w_in) and last with its gradient (3 dots).
+    # B: the layer's input gradient and first's weight gradient. W: the layer's weight
+    # gradient. A B that also computed the weight gradient would count 3.
+    assert switch_dots(program) == [[0, 5, 2, 1]]
+    remat = compiled(pp.value_and_grad(TOY, "1f1b", microbatches=4, remat="always"), 2,
+                     params, batch)
+    assert switch_dots(remat) == [[0, 5, 3, 1]]  # B recomputes the forward, once
+
+
+def test_two_ppermutes_per_tick_and_nothing_else_in_the_loop():
+    from parallax.analysis import hlo
+
+    params, batch = toy_params(4), toy_batch()
+    sched = pp.schedule("1f1b", 4, 8)
+    program = compiled(pp.value_and_grad(TOY, sched), 4, params, batch)
+    found = hlo.collectives(program, stage_mesh(4))
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert [c.count for c in permutes] == [sched.ticks, sched.ticks]  # one pair per tick
+    assert {c.pairs for c in permutes} == {((0, 1), (1, 2), (2, 3), (3, 0)),
+                                          ((0, 3), (1, 0), (2, 1), (3, 2))}
+    assert [c.kind for c in found if c.count > 1] == ["collective-permute"] * 2
+    assert all(not c.conditional for c in found)  # never inside the switch
+
+
+@pytest.mark.parametrize("remat", ["never", "always", "except_last", "dots_saveable"])
+def test_remat_options_give_the_same_gradients(remat):
+    loss, grads, _, _ = pipelined("1f1b", 2, 4, remat=remat, per_chunk=2)
+    assert_matches_sequential(loss, grads, 4)
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_gpipe_by_autodiff_agrees_with_the_table_runtime(remat):
+    params, batch = toy_params(4), toy_batch()
+    with jax.set_mesh(stage_mesh(2)):
+        auto = jax.jit(pp.gpipe_value_and_grad(TOY, microbatches=4, remat=remat))(params, batch)
+    table, grads, _, _ = pipelined("gpipe", 2, 4, remat=remat, per_chunk=2)
+    assert relative_difference(auto[0], table) <= 1e-6
+    assert relative_difference(auto[1], grads) <= 1e-6
+    assert_matches_sequential(*auto, 4)
+
+
+def test_nnx_modules_and_pytree_activations():
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self, w):
+            self.w = nnx.Param(jnp.asarray(w))
+
+    class Model(nnx.Module):  # the stacked layers: one Layer whose param has a layer axis
+        def __init__(self, rng):
+            self.scale = nnx.Param(jnp.full((4,), 0.5, jnp.float32))
+            self.layers = Layer(rng.standard_normal((4, 4, 4), np.float32) / 4)
+
+    loss = pp.Stages(  # x is a pair (hidden, skip): activations may be pytrees
+        first=lambda m, b: (b["x"] * m.scale[...], b["x"]),
+        stage=lambda layer, x: (jnp.tanh(x[0] @ layer.w[...]) + x[1], x[1]),
+        last=lambda m, x, b: jnp.mean((x[0] * m.scale[...]) ** 2),
+        layers=lambda m: m.layers,
+    )
+    rng = np.random.default_rng(0)
+    model, batch = Model(rng), {"x": rng.standard_normal((8, 4), np.float32)}
+    ref_loss, ref_grads = nnx.value_and_grad(loss)(model, batch)
+    with jax.set_mesh(stage_mesh(2)):
+        value, grads = jax.jit(pp.value_and_grad(loss, "interleaved_1f1b", microbatches=2,
+                                                 virtual_stages=2))(model, batch)
+    assert isinstance(grads, nnx.State)
+    assert relative_difference(value, ref_loss) <= 1e-6
+    assert relative_difference(grads, ref_grads) <= 1e-6
+
+
+# -- the plan and the interleaved layer order ---------------------------------------------
+
+
+@pytest.mark.parametrize("sched", [pp.schedule("gpipe", 3, 5), pp.schedule("1f1b", 4, 8),
+                                   pp.schedule("interleaved_1f1b", 2, 4, 2, True)], ids=repr)
+def test_without_remat_the_residual_slots_are_the_schedules_stash(sched):
+    plan, arrays = runtime_plan(sched, "never"), sched.as_arrays()
+    active = arrays.kind > 0
+    np.testing.assert_array_equal(plan.slots["residuals"][active], arrays.stash[active])
+    assert plan.capacity["residuals"] == arrays.stash_capacity.max()
+    assert plan.capacity["inputs"] == 0
+
+
+def test_remat_moves_residuals_into_the_input_ring():
+    sched = pp.schedule("gpipe", 2, 4)
+    caps = {r: runtime_plan(sched, r).capacity for r in ("never", "except_last", "always")}
+    assert [caps[r]["residuals"] for r in caps] == [4, 2, 1]
+    assert [caps[r]["inputs"] for r in caps] == [0, 3, 4]
+    assert {c["cotangents"] for c in caps.values()} == {1}  # W right after B
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (2, 3), (4, 4)])
+def test_blocks_move_to_the_stage_that_runs_them(p, v):
+    routes = interleave.routes(p, v)
+    runs = {}
+    for (i, c), pairs in routes.items():
+        for src, dst in pairs:
+            runs[dst, c] = src * v + i  # the block (virtual stage) it receives
+    assert runs == {(s, c): c * p + s for s in range(p) for c in range(v)}
+    # And through the collectives, both ways.
+    mesh = stage_mesh(p)
+    stack = jnp.arange(p * v * 2.0)  # two layers per block
+
+    def round_trip(x):
+        chunks = interleave.to_chunks(x, "stage", p, v)
+        return chunks[None], interleave.from_chunks(chunks, "stage", p, v)
+
+    with jax.set_mesh(mesh):
+        chunks, back = jax.jit(jax.shard_map(
+            round_trip, in_specs=jax.P("stage"), out_specs=(jax.P("stage"), jax.P("stage"))))(stack)
+    for s in range(p):
+        for c in range(v):
+            k = c * p + s
+            np.testing.assert_array_equal(chunks[s, c], stack[2 * k: 2 * k + 2])
+    np.testing.assert_array_equal(back, stack)

@@ -1,0 +1,151 @@
+"""``px.Pipeline``: the GPT pipelined inside ``px.train_step``, alone and in 3D parallelism."""
+
+import re
+
+import fixtures as fx
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import parallax as px
+from parallax.models.gpt_pipeline import next_token_stages
+from parallax.strategies.pipeline import Pipeline
+
+
+def test_the_gpt_stages_are_the_gpt_loss():
+    model = px.models.GPT(fx.GPT_CONFIG, rngs=nnx.Rngs(0))
+    batch = fx.gpt_batches(1, batch=4)[0]
+    both = nnx.jit(lambda m, b: (nnx.value_and_grad(px.models.next_token_loss)(m, b),
+                                 nnx.value_and_grad(next_token_stages)(m, b)))  # one compile
+    (ref_loss, ref_grads), (loss, grads) = both(model, batch)
+    assert px.testing.relative_difference(loss, ref_loss) <= 1e-6
+    assert px.testing.relative_difference(grads, ref_grads) <= 1e-6
+
+
+def test_the_strategy_is_a_rule_and_a_producer():
+    s = Pipeline("stage", microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)
+    assert s.rules == (("layers", "stage"),) and s.microbatches == 4 and s.batch_axes == ()
+    assert s.name == ("Pipeline('stage', microbatches=4, schedule='interleaved_1f1b', "
+                      "virtual_stages=2)")
+    composed = px.compose(px.DataParallel("data"), px.TensorParallel("tensor"), s)
+    assert composed.batch_axes == ("data",) and composed.grad_fn is s.grad_fn
+    assert dict(composed.rules)["layers"] == "stage" and dict(composed.rules)["mlp"] == "tensor"
+    with pytest.raises(ValueError, match=re.escape("both decide how gradients are produced")):
+        px.compose(s, px.GradientAccumulation(2))
+
+
+@pytest.fixture(scope="module")
+def pp_state():
+    mesh = px.make_mesh(stage=2, devices=jax.devices()[:2])
+    strategy = Pipeline("stage", microbatches=2)
+    return mesh, strategy, px.init(fx.gpt_state, mesh, strategy)
+
+
+def test_the_stacked_blocks_are_laid_out_over_stages(pp_state):
+    mesh, _, state = pp_state
+    kernel = state.params["blocks"]["mlp"]["fc"]["kernel"]
+    assert kernel.sharding.spec[0] == "stage"
+    assert kernel.addressable_shards[0].data.shape[0] == fx.GPT_CONFIG.num_layers // 2
+    assert state.params["wte"].sharding.is_fully_replicated
+
+
+def _step(mesh, strategy, loss_fn, **kwargs):
+    @px.train_step(mesh, strategy, donate=False)
+    def step(state, batch):
+        loss, grads = px.value_and_grad(loss_fn, **kwargs)(state.model, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    return step
+
+
+def test_the_loss_must_be_stages(pp_state):
+    mesh, strategy, state = pp_state
+    batch = fx.gpt_batches(1, batch=4)[0]
+    with pytest.raises(TypeError, match=re.escape(
+            "px.Pipeline: the loss given to px.value_and_grad must be a "
+            "px.pipeline.Stages(first, stage, last, layers), so the pipeline can place its "
+            "pieces on the stages; got next_token_loss. For the GPT use "
+            "parallax.models.gpt_pipeline.next_token_stages.")):
+        _step(mesh, strategy, px.models.next_token_loss).lower(state, batch)
+    with pytest.raises(ValueError, match=re.escape(
+            "px.Pipeline: a pipelined loss takes (model, batch) and returns the loss only; "
+            "got has_aux=True")):
+        _step(mesh, strategy, next_token_stages, has_aux=True).lower(state, batch)
+    with pytest.raises(ValueError, match=re.escape(
+            "px.value_and_grad: microbatches=2 was given, but the strategy Pipeline('stage', "
+            "microbatches=2, schedule='1f1b') already decides how gradients are produced")):
+        _step(mesh, strategy, next_token_stages, microbatches=2).lower(state, batch)
+
+
+def test_the_batch_must_split_into_microbatches(pp_state):
+    mesh, strategy, state = pp_state
+    batch = {"tokens": np.zeros((3, fx.GPT_CONFIG.max_seq_len + 1), np.int32)}
+    with pytest.raises(ValueError, match=re.escape(
+            "px.value_and_grad: microbatches=2 does not divide the batch: leaf ['tokens'] has "
+            "3 examples; use a batch size that is a multiple of 2")):
+        _step(mesh, strategy, next_token_stages).lower(state, batch)
+
+
+@pytest.mark.slow
+def test_3d_parallel_gpt_matches_one_device():
+    """DP 2 x TP 2 x PP 2 (1F1B): 5 momentum-SGD steps equal the single-device run."""
+    make, _, data, _, ref = fx.reference("gpt")
+    mesh = px.make_mesh(stage=2, data=2, tensor=2)
+    strategy = px.compose(px.DataParallel("data"), px.TensorParallel("tensor"),
+                          Pipeline("stage", microbatches=2, schedule="1f1b"))
+    run = px.testing.train(make, next_token_stages, data, mesh=mesh, strategy=strategy)
+    assert len(run.losses) == fx.STEPS
+    px.testing.assert_equivalent(run, ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_tensor_and_interleaved_pipeline_gpt_matches_one_device():
+    """ZeRO 3 x TP x interleaved 1F1B on a 4-layer GPT (2 chunks per stage), 3 steps."""
+    config = px.models.GPTConfig.tiny(num_layers=4)
+
+    def make():
+        return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(1)), fx.GPT_TX)
+
+    data = fx.gpt_batches(3, batch=8)
+    ref = px.testing.train(make, px.models.next_token_loss, data)
+    mesh = px.make_mesh(stage=2, fsdp=2, tensor=2)
+    strategy = px.compose(px.FSDP("fsdp"), px.TensorParallel("tensor"),
+                          Pipeline("stage", microbatches=2, schedule="interleaved_1f1b",
+                                   virtual_stages=2, remat="always"))
+    run = px.testing.train(make, next_token_stages, data, mesh=mesh, strategy=strategy)
+    px.testing.assert_equivalent(run, ref, rtol=1e-5)
+
+
+def test_optax_state_follows_the_stage_layout(pp_state):
+    _, _, state = pp_state
+    momentum = state.opt_state[0].trace["blocks"]["mlp"]["fc"]["kernel"]
+    assert momentum.sharding.spec[0] == "stage"
+
+
+def test_gspmd_style_data_parallelism_is_refused():
+    mesh = px.make_mesh(stage=2, data=2, devices=jax.devices()[:4])
+    strategy = px.compose(px.DataParallel("data", style="gspmd"), Pipeline("stage", microbatches=2))
+    state = jax.eval_shape(fx.gpt_state)  # abstract: the error comes while tracing
+    with pytest.raises(ValueError, match=re.escape(
+            "px.Pipeline: the batch axes ('data',) of DataParallel('data') + "
+            "Pipeline('stage', microbatches=2, schedule='1f1b') are left to GSPMD "
+            "(style='gspmd')")):
+        _step(mesh, strategy, next_token_stages).lower(state, fx.gpt_batches(1, batch=4)[0])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(microbatches=2, schedule="interleaved_1f1b", virtual_stages=2),
+     "px.Pipeline: the model's 2 stacked layers do not split into stages=2 (mesh axis 'stage') "
+     "x virtual_stages=2 = 4 equal chunks; use a multiple of 4 layers (e.g. 4), or stages and "
+     "virtual_stages whose product divides 2"),
+    (dict(microbatches=1, schedule="interleaved_1f1b", virtual_stages=2),
+     "px.Pipeline on mesh axis 'stage' of size 2: schedule: interleaved with too few "
+     "micro-batches: 1 for 2 stages"),
+])
+def test_bad_pipelines_of_the_gpt(kwargs, message):
+    mesh = px.make_mesh(stage=2, devices=jax.devices()[:2])
+    strategy = Pipeline("stage", **kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _step(mesh, strategy, next_token_stages).lower(
+            jax.eval_shape(fx.gpt_state), fx.gpt_batches(1, batch=4)[0])

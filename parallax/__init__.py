@@ -15,6 +15,7 @@ Pick a mesh and a strategy, create the state sharded, decorate a step:
 from parallax import analysis as analysis
 from parallax import comm as comm
 from parallax import models as models
+from parallax import nn as nn
 from parallax import pipeline as pipeline
 from parallax import rules as rules
 from parallax import testing as testing
@@ -58,6 +59,7 @@ __all__ = [
     "make_hybrid_mesh",
     "make_mesh",
     "models",
+    "nn",
     "pipeline",
     "rules",
     "shard",

@@ -81,6 +81,9 @@ def param_layouts(params, strategy: Strategy, mesh, api: str, prefix: tuple = ()
     layouts = []
     for leaf in rules_lib.annotated_leaves(params):
         shape = tuple(getattr(leaf.leaf, "shape", ()))
+        if leaf.names is not None and not leaf.physical:
+            for check in strategy.param_checks:  # strategy-specific messages come first
+                check(leaf.names, shape, mesh, path=prefix + leaf.path, api=api)
         base = rules_lib.resolve_spec(
             leaf.names, shape, table, mesh, api=api, physical=leaf.physical,
             path=jax.tree_util.keystr(prefix + leaf.path),

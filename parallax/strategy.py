@@ -16,7 +16,10 @@ A :class:`Strategy` holds data, and at most a few pure functions:
 - ``grad_fn``: an optional hook that replaces how gradients are produced on each device's
   slice of the batch (gradient accumulation; pipeline schedules), called as
   ``grad_fn(request, params, batch)`` with a ``parallax.grad.GradRequest``; ``microbatches``
-  is how many micro-batches it splits each slice into (checked against the batch up front).
+  is how many micro-batches it splits each slice into (checked against the batch up front);
+- ``param_checks``: checks a strategy adds for every annotated parameter before it is laid
+  out, called as ``check(names, shape, mesh, path=..., api=...)``; they raise with a fix
+  specific to the strategy (tensor parallel: pad the vocabulary, change the head count).
 
 Example:
   >>> import parallax as px
@@ -52,6 +55,8 @@ class Strategy:
       style: ``"explicit"`` or ``"gspmd"`` (see the module docstring); None = no preference.
       grad_fn: optional gradient producer ``grad_fn(request, params, batch)``.
       microbatches: micro-batches per device slice that ``grad_fn`` uses (1 without one).
+      param_checks: per-parameter checks run by ``px.init``, ``px.shard`` and
+        ``px.train_step`` before the generic divisibility check of the rules.
     """
 
     name: str = "Replicated()"
@@ -62,6 +67,7 @@ class Strategy:
     style: str | None = None
     grad_fn: Callable | None = None
     microbatches: int = 1
+    param_checks: tuple[Callable, ...] = ()
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -190,6 +196,7 @@ def compose(*strategies: Strategy) -> Strategy:
         style=styles.pop() if styles else None,
         grad_fn=producers[0].grad_fn if producers else None,
         microbatches=producers[0].microbatches if producers else 1,
+        param_checks=tuple(dict.fromkeys(c for s in strategies for c in s.param_checks)),
     )
 
 

@@ -26,10 +26,20 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from parallax.models.layers import CausalSelfAttention, FeedForward, LayerNorm, annotated_param
-from parallax.rules import constrain
+from parallax import context
+from parallax.models.layers import (
+    CausalSelfAttention,
+    FeedForward,
+    LayerNorm,
+    annotated_param,
+    gather_sequence,
+    padded_init,
+)
+from parallax.rules import as_tuple, constrain
 
 RESIDUAL = ("batch", "sequence", "embed")
+WHOLE_SEQUENCE = ("batch", None, "embed")  # before a column-parallel matmul
+MASKED = float(jnp.finfo(jnp.float32).min)  # logits of padded token ids
 _SIZES = ("vocab_size", "max_seq_len", "num_layers", "num_heads", "embed_dim", "mlp_dim")
 
 
@@ -47,6 +57,10 @@ class GPTConfig:
       tie_embeddings: logits use ``wte.T`` instead of a separate ``head``.
       dtype: compute dtype (logits and loss are always float32).
       param_dtype: storage dtype of the params.
+      vocab_pad_multiple: pad the embedding (and logits) to a multiple of this many token
+        ids, so that the vocabulary splits over tensor-parallel ranks (Megatron's
+        ``make_vocab_size_divisible_by``). Padded rows start at zero, are never looked up,
+        and their logits are masked to the lowest float: the loss is the unpadded one.
 
     Example:
       >>> from parallax.models import GPTConfig
@@ -63,9 +77,10 @@ class GPTConfig:
     tie_embeddings: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    vocab_pad_multiple: int = 1
 
     def __post_init__(self):
-        for field in _SIZES:
+        for field in _SIZES + ("vocab_pad_multiple",):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(
@@ -83,6 +98,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """``vocab_size`` rounded up to a multiple of ``vocab_pad_multiple``."""
+        return -(-self.vocab_size // self.vocab_pad_multiple) * self.vocab_pad_multiple
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GPTConfig:
@@ -107,6 +127,24 @@ class GPTConfig:
     @classmethod
     def _preset(cls, sizes: tuple[int, ...], overrides: dict[str, Any]) -> GPTConfig:
         return cls(**(dict(zip(_SIZES, sizes)) | overrides))
+
+
+def check_sequence(api: str, seq: int) -> None:
+    """Raises when the active strategy splits the sequence into more parts than ``seq`` fills."""
+    ctx = context.current()
+    if ctx is None:
+        return
+    axes = [a for a in as_tuple(ctx.strategy.rule_table.get("sequence"))
+            if a in ctx.mesh.shape and a not in ctx.manual_axes]
+    ways = math.prod(ctx.mesh.shape[a] for a in axes)
+    if seq % ways:
+        sizes = " x ".join(f"{a}={ctx.mesh.shape[a]}" for a in axes)
+        raise ValueError(
+            f"{api}: sequence length {seq} does not split into the {ways} parts of sequence "
+            f"parallelism ({sizes} in {ctx.strategy.name}); use a multiple of {ways}, e.g. "
+            f"{seq + ways - seq % ways} (next_token_loss takes tokens [batch, length + 1]), "
+            "or turn sequence_parallel off."
+        )
 
 
 class Block(nnx.Module):
@@ -161,7 +199,7 @@ class GPT(nnx.Module):
 
     Returns:
       Calling the module on int tokens ``[B, T]`` (T <= max_seq_len) gives float32 logits
-      ``[B, T, vocab_size]``.
+      ``[B, T, padded_vocab_size]`` (``vocab_size`` unless ``vocab_pad_multiple`` pads it).
 
     Example:
       >>> import jax.numpy as jnp
@@ -180,8 +218,9 @@ class GPT(nnx.Module):
             raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}.")
         self.config = config
         c, init = config, nnx.initializers.normal(0.02)
-        v, s, d, pd = c.vocab_size, c.max_seq_len, c.embed_dim, c.param_dtype
-        self.wte = annotated_param(init, rngs.params(), (v, d), ("vocab", "embed"), pd)
+        v, s, d, pd = c.padded_vocab_size, c.max_seq_len, c.embed_dim, c.param_dtype
+        rows = padded_init(init, c.vocab_size) if v > c.vocab_size else init
+        self.wte = annotated_param(rows, rngs.params(), (v, d), ("vocab", "embed"), pd)
         self.wpe = annotated_param(init, rngs.params(), (s, d), ("position", "embed"), pd)
 
         @nnx.split_rngs(splits=c.num_layers)
@@ -194,7 +233,8 @@ class GPT(nnx.Module):
         if c.tie_embeddings:
             self.head = None  # the logits reuse wte
         else:
-            self.head = annotated_param(init, rngs.params(), (d, v), ("embed", "vocab"), pd)
+            cols = padded_init(init, c.vocab_size, axis=1) if v > c.vocab_size else init
+            self.head = annotated_param(cols, rngs.params(), (d, v), ("embed", "vocab"), pd)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Token plus position embeddings: int ``[B, T]`` -> residual stream ``[B, T, D]``."""
@@ -208,8 +248,12 @@ class GPT(nnx.Module):
                 f"GPT.embed: sequence length {seq} exceeds max_seq_len="
                 f"{self.config.max_seq_len}; shorten the input or raise GPTConfig.max_seq_len."
             )
+        check_sequence("GPT.embed", seq)
         x = jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:seq]
-        return constrain(x.astype(self.config.dtype), RESIDUAL)
+        # Under sequence parallelism: all-reduce the vocabulary-parallel lookup, then split
+        # the sequence (Megatron's embedding), rather than gathering the table.
+        x = gather_sequence(x.astype(self.config.dtype), WHOLE_SEQUENCE)
+        return constrain(x, RESIDUAL)
 
     def apply_blocks(self, x: jax.Array) -> jax.Array:
         """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``."""
@@ -223,8 +267,13 @@ class GPT(nnx.Module):
         return body(x, self.blocks)
 
     def unembed(self, x: jax.Array) -> jax.Array:
-        """Final LayerNorm and output projection: ``[B, T, D]`` -> float32 logits ``[B, T, V]``."""
-        x = self.ln_f(x)
+        """Final LayerNorm and output projection: ``[B, T, D]`` -> float32 logits ``[B, T, V]``.
+
+        V is ``config.padded_vocab_size``; the logits of padded ids are the lowest float.
+        The logits are split by vocabulary (never by sequence: the vocabulary-parallel
+        loss needs whole rows of positions), so no device holds all of them.
+        """
+        x = gather_sequence(self.ln_f(x), WHOLE_SEQUENCE)
         if self.head is None:
             w, spec = self.wte[...], "btd,vd->btv"
         else:
@@ -232,7 +281,10 @@ class GPT(nnx.Module):
         # Accumulate in fp32 whatever the compute dtype: the loss needs fp32 logits.
         w = w.astype(self.config.dtype)
         logits = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "sequence", "vocab"))
+        if self.config.padded_vocab_size > self.config.vocab_size:
+            ids = jnp.arange(self.config.padded_vocab_size)
+            logits = jnp.where(ids < self.config.vocab_size, logits, MASKED)
+        return constrain(logits, ("batch", None, "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.unembed(self.apply_blocks(self.embed(tokens)))
@@ -295,8 +347,8 @@ def param_count(config: GPTConfig) -> int:
       124466688
     """
     c = config
-    embeddings = (c.vocab_size + c.max_seq_len) * c.embed_dim
-    head = 0 if c.tie_embeddings else c.embed_dim * c.vocab_size
+    embeddings = (c.padded_vocab_size + c.max_seq_len) * c.embed_dim
+    head = 0 if c.tie_embeddings else c.embed_dim * c.padded_vocab_size
     return embeddings + c.num_layers * _block_params(c) + 2 * c.embed_dim + head
 
 
@@ -329,5 +381,5 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
     t = c.max_seq_len if seq_len is None else seq_len
     if t <= 0:
         raise ValueError(f"flops_per_token: seq_len must be positive, got {t}.")
-    n = c.num_layers * _block_params(c) + 2 * c.embed_dim + c.embed_dim * c.vocab_size
+    n = c.num_layers * _block_params(c) + 2 * c.embed_dim + c.embed_dim * c.padded_vocab_size
     return 6 * n + 12 * c.num_layers * t * c.embed_dim

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax.rules import constrain
+from parallax import context
+from parallax.rules import constrain, resolve_spec
 
 Initializer = nnx.initializers.Initializer
 Names = tuple[str | None, ...]
@@ -62,6 +63,47 @@ def annotated_param(
             f"has {len(names)}; give one logical name (or None) per dimension."
         )
     return nnx.Param(init(key, shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+def gather_sequence(x: jax.Array, names: Names) -> jax.Array:
+    """Constrains ``x`` to ``names`` (sequence whole) when the strategy splits the sequence.
+
+    Under sequence parallelism Megatron all-gathers the sequence before each column-parallel
+    matmul. ``px.constrain`` leaves replicated dimensions free, and on small shapes XLA then
+    gathers the kernels (or the embedding table) instead; this pins Megatron's layout. With
+    a strategy that does not map ``"sequence"`` (or none) it is the identity.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from parallax.models.layers import gather_sequence
+      >>> gather_sequence(jnp.ones((2, 4, 8)), ("batch", None, "embed")).shape
+      (2, 4, 8)
+    """
+    ctx = context.current()
+    if ctx is None or "sequence" not in ctx.strategy.rule_table:
+        return x
+    spec = resolve_spec(names, x.shape, ctx.strategy.activation_rules, ctx.mesh,
+                        api="px.models", skip_axes=ctx.manual_axes, path=f"activation {names}")
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def padded_init(init: Initializer, rows: int, axis: int = 0) -> Initializer:
+    """``init`` for the first ``rows`` entries along ``axis`` (same key and shape as without
+    padding), zeros after: a padded vocabulary starts from the unpadded values.
+
+    Example:
+      >>> import jax, parallax.models.layers as L
+      >>> from flax import nnx
+      >>> L.padded_init(nnx.initializers.ones, 3)(jax.random.key(0), (4, 2))[:, 0].tolist()
+      [1.0, 1.0, 1.0, 0.0]
+    """
+
+    def draw(key, shape, dtype=jnp.float32):
+        real, pad = list(shape), [(0, 0)] * len(shape)
+        real[axis], pad[axis] = rows, (0, shape[axis] - rows)
+        return jnp.pad(init(key, tuple(real), dtype), pad)
+
+    return draw
 
 
 class Dense(nnx.Module):
@@ -211,9 +253,16 @@ class CausalSelfAttention(nnx.Module):
         self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), kernel_init=out_init, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q = constrain(self.query(x), HEADS)
-        k = constrain(self.key(x), HEADS)
-        v = constrain(self.value(x), HEADS)
+        # Megatron's fused QKV: one matmul against the kernels stacked on a new axis, so the
+        # backward sums the three input gradients before one all-reduce (not three).
+        dtype = self.query.dtype or x.dtype
+        projections = (self.query, self.key, self.value)
+        kernel = jnp.stack([jnp.asarray(p.kernel[...], dtype) for p in projections], axis=1)
+        x = gather_sequence(x, ("batch", None, "embed"))
+        qkv = jnp.tensordot(jnp.asarray(x, dtype), kernel, axes=1)  # [B, T, 3, H, K]
+        q = constrain(qkv[..., 0, :, :] + jnp.asarray(self.query.bias[...], dtype), HEADS)
+        k = constrain(qkv[..., 1, :, :], HEADS)
+        v = constrain(qkv[..., 2, :, :] + jnp.asarray(self.value.bias[...], dtype), HEADS)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, K]
         return self.out(constrain(y, HEADS))
 
@@ -254,4 +303,5 @@ class FeedForward(nnx.Module):
         self.proj = Dense((mlp_dim,), (embed_dim,), ("mlp", "embed"), kernel_init=out_init, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = gather_sequence(x, ("batch", None, "embed"))
         return self.proj(constrain(jax.nn.gelu(self.fc(x)), ("batch", None, "mlp")))

@@ -296,3 +296,30 @@ def test_input_errors(model):
         model.embed(_tokens((4,)))
     with pytest.raises(ValueError, match=r"next_token_loss: batch\['tokens'\] must have shape"):
         next_token_loss(model, {"tokens": _tokens((2, 1))})
+
+
+def test_padded_vocabulary_changes_nothing_but_the_shapes():
+    # Padded to a multiple of 8 (for tensor parallelism): the real rows start equal, the
+    # padded logits are masked, so loss and gradients are the unpadded model's.
+    plain_config = GPTConfig.tiny(num_layers=1, vocab_size=250)
+    padded_config = GPTConfig.tiny(num_layers=1, vocab_size=250, vocab_pad_multiple=8)
+    assert padded_config.padded_vocab_size == 256
+    assert param_count(padded_config) == param_count(plain_config) + 6 * 64
+    tokens = _tokens((2, 17)) % 250
+
+    def value_and_grad(config):
+        graphdef, params = nnx.split(GPT(config, rngs=nnx.Rngs(0)), nnx.Param)
+        fn = lambda p: next_token_loss(nnx.merge(graphdef, p), {"tokens": tokens})  # noqa: E731
+        return params, jax.jit(jax.value_and_grad(fn))(params)
+
+    plain, (plain_loss, plain_grads) = value_and_grad(plain_config)
+    padded, (padded_loss, padded_grads) = value_and_grad(padded_config)
+    np.testing.assert_array_equal(padded["wte"][...][:250], plain["wte"][...])
+    assert not np.any(padded["wte"][...][250:])
+    np.testing.assert_allclose(padded_loss, plain_loss, rtol=1e-6)
+    np.testing.assert_allclose(padded_grads["wte"][...][:250], plain_grads["wte"][...],
+                               rtol=1e-5, atol=1e-8)
+    assert not np.any(padded_grads["wte"][...][250:])
+    with pytest.raises(ValueError, match=r"GPTConfig: vocab_pad_multiple must be a positive "
+                                         r"int, got 0; set vocab_pad_multiple to an integer >= 1"):
+        GPTConfig.tiny(vocab_pad_multiple=0)

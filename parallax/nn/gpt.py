@@ -1,0 +1,152 @@
+"""``px.models.GPT`` rebuilt from ``parallax.nn`` layers: Megatron's GPT in the explicit style.
+
+``ParallelGPT(config)`` has the reference GPT's parameters exactly (same tree, shapes,
+logical names and, from the same ``nnx.Rngs``, the same values), so a state trained one way
+loads the other way. On one device it computes what ``px.models.GPT`` computes. Inside
+``px.nn.tensor_parallel`` each rank holds its shard and the layers communicate as Megatron
+does: a vocabulary-parallel embedding (all-reduce), per block ``f`` and ``g`` around
+attention and the MLP, tied vocabulary-parallel logits and the vocabulary-parallel loss.
+With ``sequence_parallel=True`` the residual stream, LayerNorms and residual adds hold
+``T / n`` positions per rank.
+
+Example:
+  >>> import jax, jax.numpy as jnp, parallax as px, parallax.nn
+  >>> from flax import nnx
+  >>> config = px.models.GPTConfig.tiny(num_layers=1)
+  >>> model = px.nn.ParallelGPT(config, rngs=nnx.Rngs(0))
+  >>> batch = {"tokens": jnp.arange(2 * 17).reshape(2, 17) % 256}
+  >>> mesh = px.make_mesh(tensor=4, devices=jax.devices()[:4])
+  >>> loss = px.nn.tensor_parallel(px.nn.parallel_next_token_loss, mesh=mesh)
+  >>> bool(5.0 < jax.jit(loss)(model, batch) < 6.0)  # about log(256) at init, as the GPT
+  True
+
+References:
+  Shoeybi et al., "Megatron-LM", 2019; Narayanan et al., 2021; Korthikanti et al., 2022.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallax.models.gpt import GPTConfig, block_forward
+from parallax.models.layers import LayerNorm, annotated_param, padded_init
+from parallax.nn import regions
+from parallax.nn.attention import ParallelSelfAttention
+from parallax.nn.embedding import vocab_parallel_embed, vocab_parallel_logits
+from parallax.nn.linear import ParallelMLP
+from parallax.nn.loss import vocab_parallel_cross_entropy
+
+
+class ParallelBlock(nnx.Module):
+    """A pre-norm block of ``ParallelSelfAttention`` and ``ParallelMLP`` (GPT's ``Block``)."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, axis: str = "tensor",
+                 sequence_parallel: bool = False):
+        d = config.embed_dim
+        kw = dict(dtype=config.dtype, param_dtype=config.param_dtype)
+        par = dict(axis=axis, sequence_parallel=sequence_parallel, **kw)
+        resid = nnx.initializers.normal(0.02 / math.sqrt(2 * config.num_layers))
+        self.ln1 = LayerNorm(d, ("embed",), **kw)
+        self.attn = ParallelSelfAttention(d, config.num_heads, rngs=rngs, out_init=resid, **par)
+        self.ln2 = LayerNorm(d, ("embed",), **kw)
+        self.mlp = ParallelMLP(d, config.mlp_dim, rngs=rngs, out_init=resid, **par)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return block_forward(self, x)
+
+
+class ParallelGPT(nnx.Module):
+    """The reference GPT built from ``parallax.nn`` layers (explicit Megatron style).
+
+    Args:
+      config: a ``px.models.GPTConfig`` (``vocab_pad_multiple`` pads the vocabulary).
+      rngs: the ``nnx.Rngs``; the same seed gives ``px.models.GPT``'s parameters.
+      axis: the tensor-parallel mesh axis.
+      sequence_parallel: split the residual stream along the sequence (Korthikanti et al.).
+
+    Returns:
+      Called on tokens ``[B, T]``: float32 logits of this rank's vocabulary slice
+      ``[B, T, V / n]`` (``[B, T, V]`` on one device), padded ids masked.
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, axis: str = "tensor",
+                 sequence_parallel: bool = False):
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"ParallelGPT: config must be a GPTConfig, got {type(config).__name__}.")
+        self.config, self.axis, self.sequence_parallel = config, axis, sequence_parallel
+        c, init = config, nnx.initializers.normal(0.02)
+        v, s, d, pd = c.padded_vocab_size, c.max_seq_len, c.embed_dim, c.param_dtype
+        rows = padded_init(init, c.vocab_size) if v > c.vocab_size else init
+        self.wte = annotated_param(rows, rngs.params(), (v, d), ("vocab", "embed"), pd)
+        self.wpe = annotated_param(init, rngs.params(), (s, d), ("position", "embed"), pd)
+
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> ParallelBlock:
+            return ParallelBlock(c, rngs=rngs, axis=axis, sequence_parallel=sequence_parallel)
+
+        self.blocks = make_blocks(rngs)
+        self.ln_f = LayerNorm(d, ("embed",), dtype=c.dtype, param_dtype=pd)
+        if c.tie_embeddings:
+            self.head = None
+        else:
+            cols = padded_init(init, c.vocab_size, axis=1) if v > c.vocab_size else init
+            self.head = annotated_param(cols, rngs.params(), (d, v), ("embed", "vocab"), pd)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Vocabulary-parallel lookup (all-reduce) plus positions; then, under sequence
+        parallelism, this rank's part of the sequence (Megatron's embedding)."""
+        seq = tokens.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"ParallelGPT.embed: sequence length {seq} exceeds max_seq_len="
+                             f"{self.config.max_seq_len}; shorten the input.")
+        x = vocab_parallel_embed(self.wte[...], tokens, axis=self.axis) + self.wpe[...][:seq]
+        x = x.astype(self.config.dtype)
+        if self.sequence_parallel:
+            x = regions.scatter_to_sequence(x, self.axis)
+        return x
+
+    def apply_blocks(self, x: jax.Array) -> jax.Array:
+        """All blocks as one ``nnx.scan``, like ``GPT.apply_blocks``."""
+        layers = {nnx.PARTITION_NAME: "layers"}
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=layers)
+        def body(x: jax.Array, block: ParallelBlock) -> jax.Array:
+            return block(x)
+
+        return body(x, self.blocks)
+
+    def unembed(self, x: jax.Array) -> jax.Array:
+        """Final LayerNorm and this rank's float32 logits (tied or separate head)."""
+        x = self.ln_f(x)
+        table, transposed = (self.wte[...], False) if self.head is None else (self.head[...], True)
+        return vocab_parallel_logits(
+            x, jnp.asarray(table, self.config.dtype), axis=self.axis,
+            vocab_size=self.config.vocab_size, sequence_parallel=self.sequence_parallel,
+            transposed=transposed)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.unembed(self.apply_blocks(self.embed(tokens)))
+
+
+def parallel_next_token_loss(model: ParallelGPT, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """``px.models.next_token_loss`` from vocabulary-parallel logits (no full logits anywhere).
+
+    Args:
+      model: a ``ParallelGPT``.
+      batch: ``{"tokens": int [B, T + 1]}``, the same on every tensor rank.
+
+    Returns:
+      The float32 mean cross-entropy over all ``B * T`` positions, the same on every rank.
+    """
+    tokens = batch["tokens"]
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError("parallel_next_token_loss: batch['tokens'] must have shape "
+                         f"[batch, seq + 1] with seq >= 1, got {list(tokens.shape)}.")
+    logits = model(tokens[:, :-1])
+    return jnp.mean(vocab_parallel_cross_entropy(logits, tokens[:, 1:], axis=model.axis))

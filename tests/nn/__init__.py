@@ -1,0 +1,1 @@
+"""Tests of parallax.nn (a package, so its test module names cannot clash)."""

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train GPT tiny in parallel and check it on one device")
     demo.add_argument("--strategy", default="dp+fsdp+tp",
                       help="parts joined by '+': dp, fsdp, zero1, zero2, zero3, tp, tp-sp "
-                           "(default dp+fsdp+tp: DP 2 x FSDP 2 x TP 2 on 8 devices)")
+                           "(default dp+fsdp+tp: DP 2 x FSDP 2 x TP 2 on 8 devices; fitted to "
+                           "the devices present)")
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--batch", type=int, default=16)
     demo.add_argument("--devices", type=int, default=8,

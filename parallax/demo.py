@@ -68,8 +68,8 @@ def run(strategy: str = "dp+fsdp+tp", steps: int = 30, batch: int = 16,
     from parallax.models import GPT, GPTConfig, next_token_loss
 
     config = GPTConfig.tiny()
-    axes, composed = presets.parse(strategy, tensor=tensor)
-    mesh = make_mesh(**axes)
+    axes, composed = presets.parse(strategy, tensor=tensor, devices=jax.device_count())
+    mesh = make_mesh(**axes, devices=jax.devices()[: math.prod(axes.values())])
     data = list(batches(demo_tokens(), batch, config.max_seq_len, steps))
 
     def make_state():

@@ -198,17 +198,22 @@ def make_hybrid_mesh(
     names = tuple(a for a in AXIS_ORDER if a in ici_sizes or a in dcn_sizes)
     ici_shape = tuple(ici_sizes.get(a, 1) for a in names)
     dcn_shape = tuple(dcn_sizes.get(a, 1) for a in names)
-    if simulated:
-        grid = _simulated_hybrid_grid(devices, ici_shape, dcn_shape)
-    else:
-        grid = mesh_utils.create_hybrid_device_mesh(
-            ici_shape,
-            dcn_shape,
-            devices,
-            process_is_granule=getattr(devices[0], "slice_index", None) is None,
-        )
+    grid = hybrid_device_grid(devices, ici_shape, dcn_shape, simulated=simulated)
     kind = _axis_type(axis_types)
     return Mesh(grid, names, axis_types=(kind,) * len(names))
+
+
+def hybrid_device_grid(devices, ici_shape, dcn_shape, *, simulated: bool = False) -> np.ndarray:
+    """The device array of a hybrid mesh: JAX's ``create_hybrid_device_mesh`` on real
+    granules (slices, else processes), consecutive groups when ``simulated``."""
+    if simulated:
+        return _simulated_hybrid_grid(devices, ici_shape, dcn_shape)
+    return mesh_utils.create_hybrid_device_mesh(
+        ici_shape,
+        dcn_shape,
+        devices,
+        process_is_granule=getattr(devices[0], "slice_index", None) is None,
+    )
 
 
 def _simulated_hybrid_grid(devices, ici_shape, dcn_shape) -> np.ndarray:

@@ -19,18 +19,20 @@ PARTS = {
 ALIASES = {"hsdp": "dp+fsdp", "3d": "dp+fsdp+tp"}
 
 
-def parse(name: str, tensor: int = 2) -> tuple[dict[str, int], Strategy]:
+def parse(name: str, tensor: int = 2, devices: int = 8) -> tuple[dict[str, int], Strategy]:
     """Mesh axis sizes and the composed strategy for a name like ``"dp+fsdp+tp"``.
 
-    Tensor parallelism takes ``tensor`` devices (all of them when it is alone). With both
-    ``dp`` and a ZeRO part, ZeRO's axis takes 2 devices and ``data`` the rest; otherwise the
-    one data-like axis takes what remains (``-1``: ``px.make_mesh`` fills it and checks the
-    product).
+    The sizes fit ``devices`` (so the demo runs on one GPU as on 8 simulated CPUs):
+    tensor parallelism takes the largest divisor of ``devices`` that is at most ``tensor``;
+    the data-like parts share what it leaves, ZeRO's axis taking 2 of them when ``dp`` is
+    present too. Tensor parallelism alone uses only its own devices.
 
     Example:
       >>> axes, strategy = parse("dp+fsdp+tp")
       >>> axes
-      {'tensor': 2, 'fsdp': 2, 'data': -1}
+      {'tensor': 2, 'fsdp': 2, 'data': 2}
+      >>> parse("dp+fsdp+tp", devices=1)[0]
+      {'tensor': 1, 'fsdp': 1, 'data': 1}
     """
     spelled = ALIASES.get(name, name)
     parts = [p for p in spelled.split("+") if p]
@@ -40,13 +42,18 @@ def parse(name: str, tensor: int = 2) -> tuple[dict[str, int], Strategy]:
             f"parallax: unknown strategy {name!r}; combine parts with '+' from "
             f"{', '.join(PARTS)} (or the aliases {', '.join(ALIASES)}), e.g. 'dp+fsdp+tp'."
         )
+    if devices < 1 or tensor < 1:
+        raise ValueError(f"parallax: devices={devices} and tensor={tensor} must be >= 1.")
     axes_needed = [PARTS[p][0] for p in parts]
     sizes: dict[str, int] = {}
+    rest = devices
     if "tensor" in axes_needed:
-        sizes["tensor"] = tensor if len(set(axes_needed)) > 1 else -1
+        sizes["tensor"] = max(d for d in range(1, min(tensor, devices) + 1) if devices % d == 0)
+        rest //= sizes["tensor"]
     data_like = [a for a in ("data", "fsdp") if a in axes_needed]
     if len(data_like) == 2:
-        sizes["fsdp"], sizes["data"] = 2, -1
+        sizes["fsdp"] = 2 if rest % 2 == 0 else 1
+        sizes["data"] = rest // sizes["fsdp"]
     elif data_like:
-        sizes[data_like[0]] = -1
+        sizes[data_like[0]] = rest
     return sizes, compose(*(PARTS[p][1]() for p in parts))

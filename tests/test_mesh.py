@@ -3,7 +3,7 @@ import pytest
 from jax.sharding import AxisType
 
 import parallax as px
-from parallax.mesh import axis_size, describe, resolve_axis_sizes
+from parallax.mesh import axis_size, describe, hybrid_device_grid, resolve_axis_sizes
 
 
 def test_axis_order_is_fixed_whatever_the_keyword_order():
@@ -93,6 +93,26 @@ def test_hybrid_mesh_axis_with_both_parts():
     # dcn is the outer factor of data: the first two data rows are slice 0.
     first_slice = {d.id for d in mesh.devices[:2].flat}
     assert first_slice == {0, 1, 2, 3}
+
+
+class FakeDevice:
+    """A device of a multi-slice machine (what JAX's mesh utilities read of one)."""
+
+    platform = device_kind = "cpu"
+    process_index = 0
+
+    def __init__(self, id, slice_index):
+        self.id, self.slice_index = id, slice_index
+
+
+def test_real_slices_go_through_jax_mesh_utilities():
+    # Two slices whose devices come interleaved: each data row must be one whole slice, as
+    # JAX's create_hybrid_device_mesh lays them out (the path real multi-slice TPUs take).
+    devices = [FakeDevice(i, i % 2) for i in range(8)]
+    grid = hybrid_device_grid(devices, (1, 2, 2), (2, 1, 1))
+    assert grid.shape == (2, 2, 2)
+    assert [{d.slice_index for d in row.flat} for row in grid] == [{0}, {1}]
+    assert sorted(d.id for d in grid[0].flat) == [0, 2, 4, 6]
 
 
 def test_hybrid_mesh_errors():

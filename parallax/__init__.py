@@ -31,6 +31,7 @@ from parallax.step import train_step as train_step
 from parallax.strategies import FSDP as FSDP
 from parallax.strategies import HSDP as HSDP
 from parallax.strategies import Pipeline as Pipeline
+from parallax.strategies import BucketedSync as BucketedSync
 from parallax.strategies import DataParallel as DataParallel
 from parallax.strategies import GradientAccumulation as GradientAccumulation
 from parallax.strategies import TensorParallel as TensorParallel
@@ -41,6 +42,7 @@ from parallax.strategy import compose as compose
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketedSync",
     "DataParallel",
     "FSDP",
     "GradientAccumulation",

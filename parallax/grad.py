@@ -10,8 +10,9 @@ writes the data-parallel collectives itself:
    communication (parameters are first cast to *varying* over the batch axes, so JAX's
    autodiff inserts no implicit ``psum``);
 3. gradients are reduced: ``psum_scatter`` over the ZeRO axis for stages 2 and 3 (each
-   device keeps the reduced slice it owns), ``psum`` over the other batch axes, then divided
-   by the number of batch shards. The loss is averaged the same way.
+   device keeps the reduced slice it owns), ``psum`` over the other batch axes (or the
+   strategy's ``grad_sync``, e.g. DDP's buckets), then divided by the number of batch
+   shards. The loss is averaged the same way.
 
 The loss function must return a mean over the examples of its batch (equal weights), which
 makes the mean over equal shards exactly the full batch's value.
@@ -164,16 +165,40 @@ def _on_local_shards(fn, x, lay, manual_axes):
     those dimensions first. Running the collective in a nested ``shard_map`` over the leaf's
     auto axes keeps it on the local tensor-parallel shard.
     """
-    auto = [a for e in lay.base if e is not None for a in as_tuple(e) if a not in manual_axes]
+    auto = _auto_axes([lay], manual_axes)
     if not auto:
         return fn(x, lay)
-    spec = PartitionSpec(*(
-        None if e is None else tuple(a for a in as_tuple(e) if a not in manual_axes) or None
-        for e in lay.base
-    ))
+    spec = _local_spec(lay, manual_axes)
     return jax.shard_map(
         lambda v: fn(v, lay), in_specs=spec, out_specs=spec, axis_names=frozenset(auto)
     )(x)
+
+
+def _local_spec(lay, manual_axes) -> PartitionSpec:
+    return PartitionSpec(*(
+        None if e is None else tuple(a for a in as_tuple(e) if a not in manual_axes) or None
+        for e in lay.base
+    ))
+
+
+def _auto_axes(lays, manual_axes) -> tuple[str, ...]:
+    """The automatic (GSPMD) mesh axes that any of the leaves is sharded over."""
+    return tuple(sorted({a for lay in lays for e in lay.base if e is not None
+                         for a in as_tuple(e) if a not in manual_axes}))
+
+
+def _hook_on_local_shards(hook, leaves, lays, over, manual_axes):
+    """``hook(leaves, over)`` on the local shards of the leaves' automatic (TP) axes.
+
+    One nested ``shard_map`` for the whole group, so that a bucketing hook sees every
+    leaf at once (see :func:`_on_local_shards` for why collectives run on local shards).
+    """
+    auto = _auto_axes(lays, manual_axes)
+    if not auto:
+        return list(hook(list(leaves), over))
+    specs = [_local_spec(lay, manual_axes) for lay in lays]
+    return list(jax.shard_map(lambda ls: list(hook(ls, over)), in_specs=(specs,),
+                              out_specs=specs, axis_names=frozenset(auto))(list(leaves)))
 
 
 def _explicit(produce, params, batch, ctx, axes, shards):
@@ -194,12 +219,39 @@ def _explicit(produce, params, batch, ctx, axes, shards):
             x = lax.all_gather(x, zero_axis, axis=lay.shard_dim, tiled=True)
         return x
 
+    def scattered(lay):
+        return stage >= 2 and lay.shard_dim is not None
+
     def reduce(g, lay):
         over = axes
-        if stage >= 2 and lay.shard_dim is not None:
+        if scattered(lay):
             g = lax.psum_scatter(g, zero_axis, scatter_dimension=lay.shard_dim, tiled=True)
             over = rest_axes
         return (lax.psum(g, over) if over else g) / shards
+
+    def scatter(g, lay):
+        if scattered(lay):
+            return lax.psum_scatter(g, zero_axis, scatter_dimension=lay.shard_dim, tiled=True)
+        return g
+
+    def sync(g_leaves):
+        if strategy.grad_sync is None:
+            return [_on_local_shards(reduce, g, lay, axes) for g, lay in zip(g_leaves, lays)]
+        g_leaves = [_on_local_shards(scatter, g, lay, axes) for g, lay in zip(g_leaves, lays)]
+        # One hook call per group of leaves with the same axes still to sum over and the
+        # same automatic (TP) axes: a bucket must not mix leaves that are sharded over
+        # "tensor" with leaves replicated over it.
+        groups = {}
+        for i, lay in enumerate(lays):
+            over = rest_axes if scattered(lay) else axes
+            groups.setdefault((over, _auto_axes([lay], axes)), []).append(i)
+        for (over, _), idx in groups.items():
+            if over:
+                summed = _hook_on_local_shards(strategy.grad_sync, [g_leaves[i] for i in idx],
+                                               [lays[i] for i in idx], over, axes)
+                for i, g in zip(idx, summed):
+                    g_leaves[i] = g
+        return [g / shards for g in g_leaves]
 
     def body(p_local, b_local):
         full = [_on_local_shards(gather, x, lay, axes) for x, lay in zip(p_local, lays)]
@@ -207,10 +259,7 @@ def _explicit(produce, params, batch, ctx, axes, shards):
             (loss, aux), grads = produce(
                 jax.tree.unflatten(p_def, full), jax.tree.unflatten(b_def, b_local)
             )
-        synced = [
-            _on_local_shards(reduce, g, lay, axes)
-            for g, lay in zip(jax.tree.leaves(grads), lays)
-        ]
+        synced = sync(jax.tree.leaves(grads))
         loss = _mean_over(loss, axes, shards)
         aux = jax.tree.map(lambda a: _mean_over(to_varying(a, axes), axes, shards), aux)
         return loss, aux, synced

@@ -17,6 +17,9 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   slice of the batch (gradient accumulation; pipeline schedules), called as
   ``grad_fn(request, params, batch)`` with a ``parallax.grad.GradRequest``; ``microbatches``
   is how many micro-batches it splits each slice into (checked against the batch up front);
+- ``grad_sync``: an optional hook that replaces how the explicit style sums gradients over
+  the batch axes, called as ``grad_sync(grads, axes)`` inside the step's ``shard_map``
+  (``px.BucketedSync``: DDP's buckets, Horovod's fusion; see ``parallax.strategies.sync``);
 - ``param_checks``: checks a strategy adds for every annotated parameter before it is laid
   out, called as ``check(names, shape, mesh, path=..., api=...)``; they raise with a fix
   specific to the strategy (tensor parallel: pad the vocabulary, change the head count).
@@ -55,6 +58,8 @@ class Strategy:
       style: ``"explicit"`` or ``"gspmd"`` (see the module docstring); None = no preference.
       grad_fn: optional gradient producer ``grad_fn(request, params, batch)``.
       microbatches: micro-batches per device slice that ``grad_fn`` uses (1 without one).
+      grad_sync: optional ``grad_sync(grads, axes) -> grads`` that sums gradients over the
+        batch axes in the explicit style (None: one ``psum`` per leaf).
       param_checks: per-parameter checks run by ``px.init``, ``px.shard`` and
         ``px.train_step`` before the generic divisibility check of the rules.
     """
@@ -67,6 +72,7 @@ class Strategy:
     style: str | None = None
     grad_fn: Callable | None = None
     microbatches: int = 1
+    grad_sync: Callable | None = None
     param_checks: tuple[Callable, ...] = ()
 
     @property
@@ -181,11 +187,22 @@ def compose(*strategies: Strategy) -> Strategy:
             f"px.compose: {producers[0].name} and {producers[1].name} both decide how "
             "gradients are produced; keep one."
         )
+    syncs = list(dict.fromkeys(s.grad_sync for s in strategies if s.grad_sync is not None))
+    if len(syncs) > 1:
+        raise ValueError(
+            f"px.compose: two different gradient syncs ({syncs[0]!r} and {syncs[1]!r}); one "
+            "sync sums the gradients over all batch axes, so pass sync= to one strategy."
+        )
     styles = {s.style for s in strategies if s.style}
     if len(styles) > 1:
         raise ValueError(
             f"px.compose: the strategies ask for different sync styles {sorted(styles)}; "
             "pass the same style= to each."
+        )
+    if syncs and "gspmd" in styles:
+        raise ValueError(
+            f"px.compose: {name} has a gradient sync ({syncs[0]!r}) and style='gspmd', which "
+            "leaves the gradient sum to XLA; use the explicit style (the default) with sync=."
         )
     return Strategy(
         name=name,
@@ -196,6 +213,7 @@ def compose(*strategies: Strategy) -> Strategy:
         style=styles.pop() if styles else None,
         grad_fn=producers[0].grad_fn if producers else None,
         microbatches=producers[0].microbatches if producers else 1,
+        grad_sync=syncs[0] if syncs else None,
         param_checks=tuple(dict.fromkeys(c for s in strategies for c in s.param_checks)),
     )
 

@@ -147,6 +147,32 @@ def check_sequence(api: str, seq: int) -> None:
         )
 
 
+def create_gpt_params(module: nnx.Module, config: GPTConfig, rngs: nnx.Rngs, make_block) -> None:
+    """Sets the GPT's parameters on ``module``: ``wte``, ``wpe``, ``blocks``, ``ln_f``, ``head``.
+
+    Shared by :class:`GPT` and ``px.nn.ParallelGPT`` (``make_block(rngs)`` builds one block),
+    whose parameter trees, names and values from one seed must be identical.
+    """
+    c, init = config, nnx.initializers.normal(0.02)
+    v, s, d, pd = c.padded_vocab_size, c.max_seq_len, c.embed_dim, c.param_dtype
+    rows = padded_init(init, c.vocab_size) if v > c.vocab_size else init
+    module.wte = annotated_param(rows, rngs.params(), (v, d), ("vocab", "embed"), pd)
+    module.wpe = annotated_param(init, rngs.params(), (s, d), ("position", "embed"), pd)
+
+    @nnx.split_rngs(splits=c.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs: nnx.Rngs):
+        return make_block(rngs)
+
+    module.blocks = make_blocks(rngs)
+    module.ln_f = LayerNorm(d, ("embed",), dtype=c.dtype, param_dtype=pd)
+    if c.tie_embeddings:
+        module.head = None  # the logits reuse wte
+    else:
+        cols = padded_init(init, c.vocab_size, axis=1) if v > c.vocab_size else init
+        module.head = annotated_param(cols, rngs.params(), (d, v), ("embed", "vocab"), pd)
+
+
 class Block(nnx.Module):
     """One pre-norm transformer block; ``GPT`` holds L of them stacked on a leading axis."""
 
@@ -217,24 +243,7 @@ class GPT(nnx.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}.")
         self.config = config
-        c, init = config, nnx.initializers.normal(0.02)
-        v, s, d, pd = c.padded_vocab_size, c.max_seq_len, c.embed_dim, c.param_dtype
-        rows = padded_init(init, c.vocab_size) if v > c.vocab_size else init
-        self.wte = annotated_param(rows, rngs.params(), (v, d), ("vocab", "embed"), pd)
-        self.wpe = annotated_param(init, rngs.params(), (s, d), ("position", "embed"), pd)
-
-        @nnx.split_rngs(splits=c.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(c, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
-        self.ln_f = LayerNorm(d, ("embed",), dtype=c.dtype, param_dtype=pd)
-        if c.tie_embeddings:
-            self.head = None  # the logits reuse wte
-        else:
-            cols = padded_init(init, c.vocab_size, axis=1) if v > c.vocab_size else init
-            self.head = annotated_param(cols, rngs.params(), (d, v), ("embed", "vocab"), pd)
+        create_gpt_params(self, config, rngs, lambda rngs: Block(config, rngs=rngs))
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Token plus position embeddings: int ``[B, T]`` -> residual stream ``[B, T, D]``."""

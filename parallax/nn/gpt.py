@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax.models.gpt import GPTConfig, block_forward
-from parallax.models.layers import LayerNorm, annotated_param, padded_init
+from parallax.models.gpt import GPTConfig, block_forward, create_gpt_params
+from parallax.models.layers import LayerNorm
 from parallax.nn import regions
 from parallax.nn.attention import ParallelSelfAttention
 from parallax.nn.embedding import vocab_parallel_embed, vocab_parallel_logits
@@ -79,24 +79,8 @@ class ParallelGPT(nnx.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"ParallelGPT: config must be a GPTConfig, got {type(config).__name__}.")
         self.config, self.axis, self.sequence_parallel = config, axis, sequence_parallel
-        c, init = config, nnx.initializers.normal(0.02)
-        v, s, d, pd = c.padded_vocab_size, c.max_seq_len, c.embed_dim, c.param_dtype
-        rows = padded_init(init, c.vocab_size) if v > c.vocab_size else init
-        self.wte = annotated_param(rows, rngs.params(), (v, d), ("vocab", "embed"), pd)
-        self.wpe = annotated_param(init, rngs.params(), (s, d), ("position", "embed"), pd)
-
-        @nnx.split_rngs(splits=c.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> ParallelBlock:
-            return ParallelBlock(c, rngs=rngs, axis=axis, sequence_parallel=sequence_parallel)
-
-        self.blocks = make_blocks(rngs)
-        self.ln_f = LayerNorm(d, ("embed",), dtype=c.dtype, param_dtype=pd)
-        if c.tie_embeddings:
-            self.head = None
-        else:
-            cols = padded_init(init, c.vocab_size, axis=1) if v > c.vocab_size else init
-            self.head = annotated_param(cols, rngs.params(), (d, v), ("embed", "vocab"), pd)
+        create_gpt_params(self, config, rngs, lambda rngs: ParallelBlock(
+            config, rngs=rngs, axis=axis, sequence_parallel=sequence_parallel))
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Vocabulary-parallel lookup (all-reduce) plus positions; then, under sequence

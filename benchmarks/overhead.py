@@ -38,6 +38,7 @@ def main(argv=None) -> int:
 
     print(simulate_cpu_devices(args.devices))
     import dataclasses
+    import math
 
     import jax
     import optax
@@ -50,9 +51,9 @@ def main(argv=None) -> int:
     from parallax.demo import batches, demo_tokens
 
     config = getattr(px.models.GPTConfig, args.model)()
-    axes, explicit = presets.parse(args.strategy)
+    axes, explicit = presets.parse(args.strategy, devices=jax.device_count())
     gspmd = dataclasses.replace(explicit, style="gspmd")
-    mesh = px.make_mesh(**axes)
+    mesh = px.make_mesh(**axes, devices=jax.devices()[: math.prod(axes.values())])
     batch = next(batches(demo_tokens(), args.batch, config.max_seq_len, 1))
 
     tx = optax.adamw(1e-3)  # one optimizer object: every state then has the same tree structure

@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 import parallax as px
+from parallax import layout
 from parallax.models.gpt_pipeline import next_token_stages
 from parallax.strategies.pipeline import Pipeline
 
@@ -115,6 +117,42 @@ def test_fsdp_tensor_and_interleaved_pipeline_gpt_matches_one_device():
                                    virtual_stages=2, remat="always"))
     run = px.testing.train(make, next_token_stages, data, mesh=mesh, strategy=strategy)
     px.testing.assert_equivalent(run, ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_zero2_pipeline_gpt_matches_one_device_with_gradients_and_momenta_over_fsdp():
+    """ZeRO 2 x PP 2 (1F1B): 5 steps equal one device, and ZeRO 2's layout holds."""
+    make, _, data, _, ref = fx.reference("gpt")
+    mesh = px.make_mesh(stage=2, fsdp=2, devices=jax.devices()[:4])
+    strategy = px.compose(px.ZeRO(2, "fsdp"), Pipeline("stage", microbatches=2, schedule="1f1b"))
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        loss, grads = px.value_and_grad(next_token_stages)(state.model, batch)
+        return state.apply_gradients(grads), {"loss": loss, "grads": grads}
+
+    state, losses, grads = px.init(make, mesh, strategy), [], []
+    for batch in data:  # px.testing.train, keeping the gradients on the devices
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        grads.append(metrics["grads"])
+    run = px.testing.Trajectory(losses, jax.device_get(grads[0]), jax.device_get(state.params),
+                                state)
+    px.testing.assert_equivalent(run, ref, rtol=1e-5)
+
+    # ZeRO 2: gradients and optimizer state sharded over fsdp, parameters not; the stacked
+    # blocks stay split over the stages (ZeRO picks another dimension than "layers")
+    lays = layout.state_layout(state, strategy, mesh, "test")
+    assert all(lay.shard_dim is not None for lay in lays.params)  # every leaf can shard
+    for g, lay in zip(jax.tree.leaves(grads[-1]), lays.params, strict=True):
+        want = NamedSharding(mesh, lay.spec(True, "fsdp"))
+        assert g.sharding.is_equivalent_to(want, g.ndim), (lay.path, g.sharding.spec)
+    for leaf, spec, role in zip(jax.tree.leaves(state), lays.specs, lays.roles, strict=True):
+        assert leaf.sharding.spec == spec, role
+        assert ("fsdp" in jax.tree.leaves(tuple(spec))) == (role == "opt"), role
+    assert lays.roles.count("opt") == lays.roles.count("param")  # one momentum per parameter
+    kernel = state.opt_state[0].trace["blocks"]["mlp"]["fc"]["kernel"]
+    assert kernel.sharding.spec[0] == "stage" and "fsdp" in kernel.sharding.spec
 
 
 def test_optax_state_follows_the_stage_layout(pp_state):

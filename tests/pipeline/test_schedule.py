@@ -39,10 +39,10 @@ def named_schedules():
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("factor", [1, 2, 4])
-def test_1f1b_order_is_warmup_then_alternating_then_cooldown(p, factor, split):
-    m = factor * p
+@pytest.mark.parametrize(
+    "p,m", [(p, f * p) for p in (2, 4) for f in (1, 2, 4)] + [(4, 1), (4, 2), (4, 3)]
+)  # m <= p - 1: stages 0 .. p - m - 1 warm up with all m forwards, then only backwards
+def test_1f1b_order_is_warmup_then_alternating_then_cooldown(p, m, split):
     s = schedule("1f1b", p, m, split_backward=split)
     for stage in range(p):
         warmup = min(p - stage - 1, m)
@@ -117,7 +117,7 @@ def test_split_bubble_is_below_the_classic_formula(name, p, m):
     assert bubble == pytest.approx(split_formula(p, m), abs=1e-12)
 
 
-@pytest.mark.parametrize("p,m,v", INTERLEAVED)
+@pytest.mark.parametrize("p,m,v", INTERLEAVED + [(p, 4 * p, v) for p in (2, 4) for v in (2, 3)])
 def test_interleaved_bubble(p, m, v):
     fused = schedule("interleaved_1f1b", p, m, v).bubble_fraction(f=1, b=2)
     split = schedule("interleaved_1f1b", p, m, v, split_backward=True).bubble_fraction(f=1, b=2)

@@ -4,31 +4,56 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .comm_testing import line_mesh, per_device, stacked
+from .comm_testing import grid_mesh, line_mesh, per_device, stacked
 from parallax import comm
 from parallax.comm import Compression
 
 
-def test_16_bit_wire_errors_are_bounded_and_results_replicated():
-    n = 8
+@pytest.mark.parametrize("outer,inner", [(1, 2), (2, 2), (2, 4)])
+def test_16_bit_wire_errors_are_bounded_and_results_replicated(outer, inner):
+    """Every compressed path on n = outer * inner devices: all_reduce, bucketed (3 buckets),
+    ring_reduce_scatter (13 rows padded to n * ceil(13/n)) and hierarchical on an outer x
+    inner mesh. The last three run bf16 on the float32 leaf only (each leaf is a compile;
+    all_reduce checks fp16, which differs only in the wire dtype, and that integers are
+    never cast)."""
+    n = outer * inner
     x = stacked(n, shapes=[(13,)], dtypes=[jnp.float32, jnp.int32])
     algorithms = ("xla", "ring", "tree")
-    out = per_device(line_mesh(n), lambda v: {
-        f"{a}/{c.name}": comm.all_reduce(v, "x", algorithm=a, compression=c)
-        for a in algorithms for c in (Compression.bf16, Compression.fp16)}, x)
+
+    def flat(v):
+        out = {f"{a}/{c.name}": comm.all_reduce(v, "x", algorithm=a, compression=c)
+               for a in algorithms for c in (Compression.bf16, Compression.fp16)}
+        f32 = {"float32_13": v["float32_13"]}
+        # ring buckets with bf16 are in test_bucket.py; the packing ignores the algorithm
+        out["bucketed/bf16"] = comm.bucketed_all_reduce(f32, "x", bucket_bytes=24,
+                                                        compression="bf16")
+        out["rs/bf16"] = comm.ring_reduce_scatter(f32, "x", compression="bf16")
+        return out
+
+    out = per_device(line_mesh(n), flat, x)
+    out.update(per_device(grid_mesh(outer, inner), lambda v: {
+        f"hier-{a}/bf16": comm.hierarchical_all_reduce(v, "tensor", "data", algorithm=a,
+                                                       compression="bf16")
+        for a in ("xla", "ring")}, {"float32_13": x["float32_13"]}, axis=("data", "tensor")))
+    c = -(-13 // n)
     for name, tree in out.items():
-        a, c = name.split("/")
-        eps = 2.0**-8 if c == "bf16" else 2.0**-11
-        for key, v in x.items():
+        a, comp = name.split("/")
+        eps = 2.0**-8 if comp == "bf16" else 2.0**-11
+        for key in tree:
+            v = x[key]
             got, ref = np.asarray(tree[key], np.float64), np.asarray(v, np.float64)
+            want, scale = ref.sum(0), np.abs(ref).sum(0)
             assert tree[key].dtype == v.dtype
-            assert np.all(got == got[:1]), (a, c, key)          # identical on every device
+            if a == "rs":                                   # device i: block i of the sum
+                want, scale = (np.pad(t, (0, n * c - 13)).reshape(n, c) for t in (want, scale))
+            else:
+                assert np.all(got == got[:1]), (a, comp, key)   # identical on every device
+                got = got[0]
             if v.dtype == jnp.int32:                            # integers are never cast
-                np.testing.assert_array_equal(got[0], ref.sum(0))
+                np.testing.assert_array_equal(got, want, err_msg=name)
                 continue
             # each of the <= n + log2(n) roundings errs by <= eps * the partial sum's size
-            bound = 2 * n * eps * np.abs(ref).sum(0)
-            assert np.all(np.abs(got[0] - ref.sum(0)) <= bound), (a, c, key)
+            assert np.all(np.abs(got - want) <= 2 * n * eps * scale), (a, comp, key)
 
 
 def test_compression_names_and_dtypes():

@@ -47,7 +47,8 @@ def test_gather_scatter_all_to_all_reduce(n):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_broadcast_send_shift(n):
-    x = stacked(n, shapes=[(), (4,)], dtypes=[jnp.float32, jnp.int32])
+    # bfloat16 takes its own path (bit-cast to uint16 on the wire); every result is exact
+    x = stacked(n, shapes=[(), (4,)])
     perm = [(0, n - 1), (n - 1, 0)] if n > 2 else [(1, 0)]
     out = per_device(line_mesh(n), lambda v: {
         "bc0": comm.broadcast(v, "x"),

@@ -222,17 +222,17 @@ def _explicit(produce, params, batch, ctx, axes, shards):
     def scattered(lay):
         return stage >= 2 and lay.shard_dim is not None
 
-    def reduce(g, lay):
-        over = axes
-        if scattered(lay):
-            g = lax.psum_scatter(g, zero_axis, scatter_dimension=lay.shard_dim, tiled=True)
-            over = rest_axes
-        return (lax.psum(g, over) if over else g) / shards
+    def remaining(lay):  # the batch axes left to sum over after ZeRO's reduce-scatter
+        return rest_axes if scattered(lay) else axes
 
     def scatter(g, lay):
         if scattered(lay):
             return lax.psum_scatter(g, zero_axis, scatter_dimension=lay.shard_dim, tiled=True)
         return g
+
+    def reduce(g, lay):
+        g, over = scatter(g, lay), remaining(lay)
+        return (lax.psum(g, over) if over else g) / shards
 
     def sync(g_leaves):
         if strategy.grad_sync is None:
@@ -243,8 +243,7 @@ def _explicit(produce, params, batch, ctx, axes, shards):
         # "tensor" with leaves replicated over it.
         groups = {}
         for i, lay in enumerate(lays):
-            over = rest_axes if scattered(lay) else axes
-            groups.setdefault((over, _auto_axes([lay], axes)), []).append(i)
+            groups.setdefault((remaining(lay), _auto_axes([lay], axes)), []).append(i)
         for (over, _), idx in groups.items():
             if over:
                 summed = _hook_on_local_shards(strategy.grad_sync, [g_leaves[i] for i in idx],

@@ -42,6 +42,7 @@ _ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
@@ -53,6 +54,8 @@ class Collective:
     all-reduce, all-gather (its result) and reduce-scatter (its input), and what each device
     sends for all-to-all and collective-permute. ``count`` is how many times the instruction
     runs per call of the program (the product of the trip counts of the loops around it).
+    ``in_entry`` is False inside a called computation (a loop body: once per scanned layer);
+    ``op_name`` is JAX's metadata for the instruction (``transpose(...)`` in a backward pass).
     """
 
     kind: str
@@ -65,6 +68,8 @@ class Collective:
     axes: tuple[str, ...] | None
     count: int
     conditional: bool
+    in_entry: bool = True
+    op_name: str = ""
 
     @property
     def group_size(self) -> int:
@@ -213,7 +218,8 @@ def collectives(program, mesh=None) -> list[Collective]:
     """
     text = hlo_text(program)
     blocks = _computations(text)
-    count, conditional = _multiplicities(blocks, _entry_name(text))
+    entry = _entry_name(text)
+    count, conditional = _multiplicities(blocks, entry)
     num_devices = mesh.size if mesh is not None else None
     found = []
     for computation, lines in blocks.items():
@@ -249,6 +255,8 @@ def collectives(program, mesh=None) -> list[Collective]:
                 axes=axes,
                 count=count.get(computation, 0) or 1,
                 conditional=conditional.get(computation, False),
+                in_entry=computation == entry,
+                op_name=op_name.group(1) if (op_name := _OP_NAME.search(line)) else "",
             ))
     return found
 

@@ -33,13 +33,15 @@ from parallax.models.layers import (
     LayerNorm,
     annotated_param,
     gather_sequence,
+    mask_padded_logits,
     padded_init,
+    padded_size,
 )
+from parallax.mesh import axes_text, axis_size
 from parallax.rules import as_tuple, constrain
 
 RESIDUAL = ("batch", "sequence", "embed")
 WHOLE_SEQUENCE = ("batch", None, "embed")  # before a column-parallel matmul
-MASKED = float(jnp.finfo(jnp.float32).min)  # logits of padded token ids
 _SIZES = ("vocab_size", "max_seq_len", "num_layers", "num_heads", "embed_dim", "mlp_dim")
 
 
@@ -102,7 +104,7 @@ class GPTConfig:
     @property
     def padded_vocab_size(self) -> int:
         """``vocab_size`` rounded up to a multiple of ``vocab_pad_multiple``."""
-        return -(-self.vocab_size // self.vocab_pad_multiple) * self.vocab_pad_multiple
+        return padded_size(self.vocab_size, self.vocab_pad_multiple)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GPTConfig:
@@ -136,12 +138,12 @@ def check_sequence(api: str, seq: int) -> None:
         return
     axes = [a for a in as_tuple(ctx.strategy.rule_table.get("sequence"))
             if a in ctx.mesh.shape and a not in ctx.manual_axes]
-    ways = math.prod(ctx.mesh.shape[a] for a in axes)
+    ways = axis_size(ctx.mesh, axes)
     if seq % ways:
-        sizes = " x ".join(f"{a}={ctx.mesh.shape[a]}" for a in axes)
         raise ValueError(
             f"{api}: sequence length {seq} does not split into the {ways} parts of sequence "
-            f"parallelism ({sizes} in {ctx.strategy.name}); use a multiple of {ways}, e.g. "
+            f"parallelism ({axes_text(ctx.mesh, axes)} in {ctx.strategy.name}); use a "
+            f"multiple of {ways}, e.g. "
             f"{seq + ways - seq % ways} (next_token_loss takes tokens [batch, length + 1]), "
             "or turn sequence_parallel off."
         )
@@ -291,8 +293,7 @@ class GPT(nnx.Module):
         w = w.astype(self.config.dtype)
         logits = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
         if self.config.padded_vocab_size > self.config.vocab_size:
-            ids = jnp.arange(self.config.padded_vocab_size)
-            logits = jnp.where(ids < self.config.vocab_size, logits, MASKED)
+            logits = mask_padded_logits(logits, self.config.vocab_size)
         return constrain(logits, ("batch", None, "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

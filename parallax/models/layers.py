@@ -106,6 +106,36 @@ def padded_init(init: Initializer, rows: int, axis: int = 0) -> Initializer:
     return draw
 
 
+MASKED = float(jnp.finfo(jnp.float32).min)  # logits of padded ids: exp(MASKED - max) is 0
+
+
+def padded_size(size: int, multiple: int) -> int:
+    """``size`` rounded up to a multiple of ``multiple`` (a vocabulary padded for TP).
+
+    Example:
+      >>> from parallax.models.layers import padded_size
+      >>> padded_size(50257, 128)
+      50304
+    """
+    if multiple < 1:
+        raise ValueError(f"padded_size: multiple={multiple} must be >= 1 (1 = no padding).")
+    return -(-size // multiple) * multiple
+
+
+def mask_padded_logits(logits: jax.Array, vocab_size: int, first_id=0) -> jax.Array:
+    """``logits`` over ids ``first_id ...`` with those of ids ``>= vocab_size`` (padding) set
+    to the lowest float, so a softmax gives them exactly zero probability.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from parallax.models.layers import MASKED, mask_padded_logits
+      >>> mask_padded_logits(jnp.zeros((1, 4)), 3)[0, 3] == MASKED
+      Array(True, dtype=bool)
+    """
+    ids = first_id + jnp.arange(logits.shape[-1])
+    return jnp.where(ids < vocab_size, logits, MASKED)
+
+
 class Dense(nnx.Module):
     """A linear layer ``y = x . kernel + bias`` over any number of input and output dims.
 

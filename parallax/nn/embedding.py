@@ -22,24 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax.models.layers import annotated_param, padded_init
+from parallax.models.layers import annotated_param, mask_padded_logits, padded_init, padded_size
 from parallax.nn import regions
 
 Initializer = nnx.initializers.Initializer
-MASKED = float(jnp.finfo(jnp.float32).min)  # padded ids: exp(MASKED - max) is exactly 0
-
-
-def padded_size(size: int, multiple: int) -> int:
-    """``size`` rounded up to a multiple of ``multiple``.
-
-    Example:
-      >>> from parallax.nn.embedding import padded_size
-      >>> padded_size(50257, 128)
-      50304
-    """
-    if multiple < 1:
-        raise ValueError(f"padded_size: multiple={multiple} must be >= 1 (1 = no padding).")
-    return -(-size // multiple) * multiple
 
 
 def _vocab_start(local: int, axis: str):
@@ -101,8 +87,7 @@ def vocab_parallel_logits(x: jax.Array, table: jax.Array, *, axis: str = "tensor
     logits = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     local = logits.shape[-1]
     if vocab_size is not None and vocab_size < local * regions.axis_size(axis):
-        ids = _vocab_start(local, axis) + jnp.arange(local)
-        logits = jnp.where(ids < vocab_size, logits, MASKED)
+        logits = mask_padded_logits(logits, vocab_size, _vocab_start(local, axis))
     return logits
 
 

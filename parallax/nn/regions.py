@@ -56,6 +56,7 @@ import jax
 from jax import lax
 
 from parallax import comm
+from parallax.vma import to_varying, varying_axes
 
 __all__ = [
     "axis_index",
@@ -92,14 +93,6 @@ def axis_index(axis: str):
     return lax.axis_index(axis) if is_manual(axis) else 0
 
 
-def _varying(x, axis: str) -> bool:
-    return axis in frozenset(getattr(jax.typeof(x), "vma", ()) or ())
-
-
-def _to_varying(x, axis: str):
-    return x if _varying(x, axis) else lax.pcast(x, (axis,), to="varying")
-
-
 def _dim(x, dim: int) -> int:
     return dim % x.ndim
 
@@ -121,7 +114,7 @@ def _local_slice(x, axis: str, dim: int):
 
 
 def _match(x, axis: str, varying: bool):
-    return _to_varying(x, axis) if varying else x
+    return to_varying(x, axis) if varying else x
 
 
 def _pair(forward, backward):
@@ -136,7 +129,7 @@ def _pair(forward, backward):
         return forward(x, axis, dim)
 
     def op_fwd(x, axis, dim):
-        return forward(x, axis, dim), _varying(x, axis)
+        return forward(x, axis, dim), axis in varying_axes(x)
 
     def op_bwd(axis, dim, was_varying, ct):
         return (backward(ct, axis, dim, was_varying),)
@@ -146,14 +139,14 @@ def _pair(forward, backward):
 
 
 # Each operator next to its transpose: the table of the module docstring.
-_copy = _pair(lambda x, a, d: _to_varying(x, a),
+_copy = _pair(lambda x, a, d: to_varying(x, a),
               lambda ct, a, d, v: _match(comm.all_reduce(ct, a), a, v))
 _reduce = _pair(lambda x, a, d: comm.all_reduce(x, a),
-                lambda ct, a, d, v: _to_varying(ct, a))
-_scatter = _pair(lambda x, a, d: _local_slice(_to_varying(x, a), a, d),
+                lambda ct, a, d, v: to_varying(ct, a))
+_scatter = _pair(lambda x, a, d: _local_slice(to_varying(x, a), a, d),
                  lambda ct, a, d, v: comm.all_gather(ct, a, dim=d, invariant=not v))
 _gather = _pair(lambda x, a, d: comm.all_gather(x, a, dim=d, invariant=True),
-                lambda ct, a, d, v: _local_slice(_to_varying(ct, a), a, d))
+                lambda ct, a, d, v: _local_slice(to_varying(ct, a), a, d))
 _seq_gather = _pair(lambda x, a, d: comm.all_gather(x, a, dim=d),
                     lambda ct, a, d, v: comm.reduce_scatter(ct, a, dim=d))
 _seq_reduce_scatter = _pair(lambda x, a, d: comm.reduce_scatter(x, a, dim=d),

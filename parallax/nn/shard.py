@@ -33,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from parallax import context
 from parallax.rules import annotated_leaves
-from parallax.strategies.tensor import TensorParallel, sharded_dims
+from parallax.strategies.tensor import TensorParallel, readable_path, sharded_dims
+
 
 def _leaf_specs(params, mesh, axis: str, rules, api: str) -> list[P]:
     size = mesh.shape[axis]
@@ -43,12 +44,11 @@ def _leaf_specs(params, mesh, axis: str, rules, api: str) -> list[P]:
         if leaf.names is None or leaf.physical:
             specs.append(P(*([None] * len(shape))))
             continue
-        path = jax.tree_util.keystr(tuple(
-            k for k in leaf.path
-            if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
-        split = sharded_dims(leaf.names, shape, axis, size, rules, path=path, api=api)
+        split = sharded_dims(leaf.names, shape, axis, size, rules,
+                             path=readable_path(leaf.path), api=api)
         specs.append(P(*(axis if s else None for s in split)))
     return specs
+
 
 def param_specs(params, mesh, axis: str = "tensor", *, rules=None):
     """``shard_map`` in_specs for a parameter tree: its tensor-parallel dimensions on ``axis``.
@@ -74,6 +74,7 @@ def param_specs(params, mesh, axis: str = "tensor", *, rules=None):
     """
     rules = dict(TensorParallel(axis).rules) if rules is None else dict(rules)
     return _leaf_specs(params, mesh, axis, rules, "px.nn.param_specs")
+
 
 def tensor_parallel(loss_fn: Callable, axis: str = "tensor", *, mesh=None,
                     has_aux: bool = False) -> Callable:

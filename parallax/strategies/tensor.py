@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import NamedTuple
 
 import jax
@@ -230,9 +229,6 @@ class TensorCollective(NamedTuple):
     in_loop: bool  # inside a while body: once per scanned layer
 
 
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-
-
 def tensor_collectives(compiled, mesh, axis: str = "tensor") -> list[TensorCollective]:
     """The collectives of a compiled step over exactly ``axis``, by phase and place.
 
@@ -240,19 +236,10 @@ def tensor_collectives(compiled, mesh, axis: str = "tensor") -> list[TensorColle
     made by a ``transpose``; it runs once per layer when it sits in a while body (the
     scan over stacked blocks) rather than in the entry computation.
     """
-    text = hlo.hlo_text(compiled)
-    entry = next(line for line in text.splitlines() if line.startswith("ENTRY"))
-    entry = re.match(r"ENTRY\s+%([\w.\-]+)", entry).group(1)
-    names = {}
-    for line in text.splitlines():
-        m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=", line)
-        if m:
-            op = _OP_NAME.search(line)
-            names[m.group(1)] = op.group(1) if op else ""
     return [
-        TensorCollective(c, "backward" if "transpose(" in names.get(c.name, "") else "forward",
-                         c.computation != entry)
-        for c in hlo.collectives(text, mesh) if c.axes == (axis,)
+        TensorCollective(c, "backward" if "transpose(" in c.op_name else "forward",
+                         not c.in_entry)
+        for c in hlo.collectives(compiled, mesh) if c.axes == (axis,)
     ]
 
 

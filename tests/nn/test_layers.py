@@ -13,7 +13,7 @@ from flax import nnx
 
 import parallax as px
 import parallax.nn as pnn
-from parallax.models.layers import CausalSelfAttention, FeedForward
+from parallax.models.layers import MASKED, CausalSelfAttention, FeedForward
 
 from .nn_testing import P, compare, inputs, ints, tensor_mesh
 
@@ -96,7 +96,7 @@ def test_padded_vocabulary_masks_the_extra_logits():
     mesh = tensor_mesh(4)
     padded = jax.jit(pnn.tensor_parallel(loss, mesh=mesh))(emb, X)
     np.testing.assert_allclose(padded, loss(plain, X), rtol=1e-6)
-    assert float(emb.attend(X)[..., 250:].max()) == pnn.embedding.MASKED
+    assert float(emb.attend(X)[..., 250:].max()) == MASKED
 
 
 def test_dense_versions_are_the_reference_layers():

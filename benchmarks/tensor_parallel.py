@@ -3,7 +3,7 @@
 For several model sizes, tensor sizes, with and without sequence parallelism and in both
 styles (GSPMD rules on ``px.models.GPT``; ``px.nn.ParallelGPT`` in ``px.nn.tensor_parallel``),
 one training step is compiled (nothing runs) and the activation traffic over the ``tensor``
-axis is read from its HLO (``parallax.strategies.tensor.measured_traffic``). The formula
+axis is read from its HLO (``parallax.analysis.tensor_traffic.measured_traffic``). The formula
 (``megatron_traffic``) is what Shoeybi et al. (2019) and Korthikanti et al. (2022) count:
 per layer 4 all-reduces of ``[B, T, D]`` (2 forward, 2 backward), the vocabulary-parallel
 embedding and tied output layer one each, the loss 3 of ``[B, T]``; with sequence
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     import jax
 
     import parallax as px
-    from parallax.strategies import tensor as tp
+    from parallax.analysis import tensor_traffic as tp
 
     header = (f"{'model':<8}{'L':>3}{'D':>5}{'T':>5}{'TP':>4}{'SP':>4} {'style':<9}"
               f"{'all-reduce':>12}{'all-gather':>12}{'red-scatter':>12}{'measured':>12}"

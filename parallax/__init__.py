@@ -22,7 +22,7 @@ from parallax import testing as testing
 from parallax.grad import value_and_grad as value_and_grad
 from parallax.mesh import make_hybrid_mesh as make_hybrid_mesh
 from parallax.mesh import make_mesh as make_mesh
-from parallax.rules import constrain as constrain
+from parallax.activations import constrain as constrain
 from parallax.state import TrainState as TrainState
 from parallax.step import TrainStep as TrainStep
 from parallax.step import init as init

@@ -12,12 +12,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jax.sharding import Mesh
+from jax.sharding import Mesh
 
-    from parallax.strategy import Strategy
+from parallax.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)

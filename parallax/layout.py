@@ -1,9 +1,11 @@
 """Where every leaf of a training state lives: parameters, gradients, optimizer state.
 
 A strategy's rules give each parameter a base ``PartitionSpec`` (tensor parallel shards
-``"heads"``, ``"mlp"``, ``"vocab"``). ZeRO then picks one more dimension per leaf to shard
-over its axis. The same choice applies to the parameter (stage 3), its gradient (stage 2+)
-and its optimizer moments (stage 1+), so the three always line up.
+``"heads"``, ``"mlp"``, ``"vocab"``). ZeRO (the strategy's ``zero``, see
+``parallax.strategies.zero``) then picks one more dimension per leaf to shard over its axis.
+The same choice applies to the parameter (stage 3), its gradient (stage 2+) and its
+optimizer moments (stage 1+), so the three always line up. The batch's layout is
+:mod:`parallax.batch`.
 
 Training states come in several shapes. The parameters are found at a known place:
 
@@ -27,57 +29,54 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallax import rules as rules_lib
-from parallax.mesh import axes_text, axis_size, describe
-from parallax.strategy import Strategy
-
-LAYERS = "layers"
+from parallax.strategy import StateSharding, Strategy
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """How one parameter is laid out: its rule-table spec and the dimension ZeRO shards."""
+    """How one parameter is laid out: its rule-table spec and the dimension ZeRO shards.
+
+    Attributes:
+      path: the parameter's path in the parameter tree.
+      shape: its shape.
+      base: the ``PartitionSpec`` the strategy's rules give it.
+      shard_dim: the dimension ZeRO shards over its axis (None: replicated over it).
+      zero: the strategy's ZeRO sharding (None without ZeRO).
+    """
 
     path: tuple
     shape: tuple[int, ...]
     base: PartitionSpec
     shard_dim: int | None
+    zero: StateSharding | None = None
 
-    def spec(self, sharded: bool, axis: str | None) -> PartitionSpec:
-        """The base spec, with ``axis`` on the ZeRO dimension when ``sharded``."""
-        if not sharded or axis is None or self.shard_dim is None:
+    def is_sharded(self, role: str) -> bool:
+        """Whether ZeRO shards this leaf's ``role`` (``"param"``, ``"grad"``, ``"opt"``)."""
+        return self.zero is not None and self.shard_dim is not None and self.zero.shards(role)
+
+    def spec(self, role: str) -> PartitionSpec:
+        """The base spec, with ZeRO's axis on its dimension when ``role`` is sharded."""
+        if not self.is_sharded(role):
             return self.base
         entries = list(self.base)
-        entries[self.shard_dim] = axis
+        entries[self.shard_dim] = self.zero.axis
         return PartitionSpec(*entries)
 
-    def manual_spec(self, sharded: bool, axis: str | None) -> PartitionSpec:
-        """The spec restricted to the ZeRO axis (what ``shard_map`` over batch axes sees)."""
+    def manual_spec(self, role: str) -> PartitionSpec:
+        """The spec restricted to ZeRO's axis (what ``shard_map`` over batch axes sees)."""
         entries = [None] * len(self.shape)
-        if sharded and axis is not None and self.shard_dim is not None:
-            entries[self.shard_dim] = axis
+        if self.is_sharded(role):
+            entries[self.shard_dim] = self.zero.axis
         return PartitionSpec(*entries)
 
 
-def choose_shard_dim(base, shape, names, ways: int) -> int | None:
-    """ZeRO's dimension: the largest free, divisible one, avoiding the stacked layer axis."""
-    candidates = [
-        d
-        for d, size in enumerate(shape)
-        if base[d] is None and size % ways == 0 and size >= ways
-        and not (names is not None and names[d] == LAYERS)
-    ]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda d: (shape[d], -d))
-
-
-def param_layouts(params, strategy: Strategy, mesh, api: str, prefix: tuple = ()) -> list[LeafLayout]:
+def param_layouts(params, strategy: Strategy, mesh, api: str,
+                  prefix: tuple = ()) -> list[LeafLayout]:
     """One :class:`LeafLayout` per array leaf of ``params``, in ``jax.tree.leaves`` order.
 
     ``prefix`` is where ``params`` sits in the tree the user passed, for error messages.
     """
-    table = strategy.rule_table
-    ways = mesh.shape[strategy.shard_axis] if strategy.shard_axis else 1
+    table, zero = strategy.rule_table, strategy.zero
     layouts = []
     for leaf in rules_lib.annotated_leaves(params):
         shape = tuple(getattr(leaf.leaf, "shape", ()))
@@ -88,8 +87,8 @@ def param_layouts(params, strategy: Strategy, mesh, api: str, prefix: tuple = ()
             leaf.names, shape, table, mesh, api=api, physical=leaf.physical,
             path=jax.tree_util.keystr(prefix + leaf.path),
         )
-        dim = choose_shard_dim(base, shape, leaf.names, ways) if ways > 1 else None
-        layouts.append(LeafLayout(leaf.path, shape, base, dim))
+        dim = zero.shard_dim(base, shape, leaf.names, mesh) if zero is not None else None
+        layouts.append(LeafLayout(leaf.path, shape, base, dim, zero))
     return layouts
 
 
@@ -122,7 +121,8 @@ class StateLayout:
 
     Attributes:
       params: the parameters' layouts (in leaf order of the parameter tree).
-      specs: a ``PartitionSpec`` per leaf of the whole state (leaf order of the state).
+      specs: a ``PartitionSpec`` per leaf of the whole state (leaf order of the state), in
+        :func:`canonical` form.
       roles: ``"param"``, ``"opt"`` or ``"other"`` per leaf of the state.
     """
 
@@ -137,7 +137,6 @@ def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
     layouts = param_layouts(_params_of(state, prefix), strategy, mesh, api, prefix)
     by_path = {lay.path: lay for lay in layouts}
     longest = max((len(p) for p in by_path), default=0)
-    stage, axis = strategy.zero_stage, strategy.shard_axis
     specs, roles = [], []
     # Leaves are visited in the same order as annotated_leaves visits the parameters.
     param_iter = iter(layouts)
@@ -145,7 +144,7 @@ def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
         shape = tuple(getattr(leaf, "shape", ()))
         if path[: len(prefix)] == prefix:
             lay = next(param_iter)
-            specs.append(lay.spec(stage >= 3, axis))
+            specs.append(lay.spec("param"))
             roles.append("param")
             continue
         match = None
@@ -155,12 +154,33 @@ def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
                 match = cand
                 break
         if match is not None:
-            specs.append(match.spec(stage >= 1, axis))
+            specs.append(match.spec("opt"))
             roles.append("opt")
         else:
             specs.append(PartitionSpec())
             roles.append("other")
-    return StateLayout(layouts, specs, roles)
+    return StateLayout(layouts, [canonical(spec, mesh) for spec in specs], roles)
+
+
+def canonical(spec: PartitionSpec, mesh) -> PartitionSpec:
+    """``spec`` as XLA hands shardings back: size-1 mesh axes dropped, trailing Nones trimmed.
+
+    A step's output state is constrained to its layout and comes back in this form; giving
+    the state this form from the start (``px.init``, ``px.shard``) makes every call's input
+    shardings equal to the last call's output, so ``jax.jit`` never retraces for a spelling.
+
+    Example:
+      >>> import jax, parallax as px
+      >>> canonical(jax.P("data", None, "tensor"), px.make_mesh(data=8, tensor=1))
+      P('data',)
+    """
+    entries = []
+    for entry in spec:
+        axes = tuple(a for a in rules_lib.as_tuple(entry) if mesh.shape[a] > 1)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def to_shardings(tree, specs, mesh):
@@ -172,36 +192,3 @@ def to_shardings(tree, specs, mesh):
 def state_shardings(state, strategy: Strategy, mesh, api: str = "px.init"):
     """``NamedSharding`` per leaf of a training state, for ``jit`` or ``device_put``."""
     return to_shardings(state, state_layout(state, strategy, mesh, api).specs, mesh)
-
-
-def batch_spec(strategy: Strategy) -> PartitionSpec:
-    axes = strategy.batch_axes
-    if not axes:
-        return PartitionSpec()
-    return PartitionSpec(axes[0] if len(axes) == 1 else axes)
-
-
-def check_batch(batch, strategy: Strategy, mesh, api: str) -> None:
-    """Every batch leaf needs a leading dimension divisible by the batch shards."""
-    axes = strategy.batch_axes
-    ways = axis_size(mesh, axes)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = tuple(getattr(leaf, "shape", ()))
-        where = jax.tree_util.keystr(path) or "batch"
-        if not shape:
-            raise ValueError(
-                f"{api}: the batch leaf {where} is a scalar; every batch leaf needs a "
-                "leading batch dimension. Pass constants as extra arguments to the step."
-            )
-        if shape[0] % ways:
-            raise ValueError(
-                f"{api}: the batch leaf {where} has shape {shape}: its leading (batch) "
-                f"dimension {shape[0]} is not divisible by the {ways} batch shards "
-                f"({axes_text(mesh, axes)}) of {strategy.name} on the mesh {describe(mesh)}; use a batch "
-                f"size that is a multiple of {ways}."
-            )
-
-
-def batch_shardings(batch, strategy: Strategy, mesh):
-    spec = batch_spec(strategy)
-    return jax.tree.map(lambda _: NamedSharding(mesh, spec), batch)

@@ -4,6 +4,8 @@ A model says what each dimension *is* (``"embed"``, ``"mlp"``, ``"heads"``, ``"v
 ``"layers"`` for parameters; ``"batch"``, ``"sequence"`` for activations) and never which mesh
 axis shards it. A strategy holds a small table from logical names to mesh axes; this module
 turns names + table + mesh into a ``PartitionSpec`` for every leaf, checking divisibility.
+It is pure: nothing here reads the step being traced (``px.constrain``, which does, is
+:mod:`parallax.constrain`).
 
 Names are read from three kinds of trees:
 
@@ -32,8 +34,11 @@ from flax.core import meta as linen_meta
 from flax.linen.spmd import LogicallyPartitioned
 from jax.sharding import PartitionSpec
 
-from parallax import context
 from parallax.mesh import axes_text, axis_size
+
+# The logical name of a stacked-layer axis (``nnx.vmap`` over blocks): pipelines shard it,
+# ZeRO never picks it (slicing a layer per scan iteration must not move data).
+LAYERS = "layers"
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -71,6 +76,12 @@ def annotated_leaves(tree) -> list[AnnotatedLeaf]:
         for sub, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
             out.append(AnnotatedLeaf(path + sub, leaf, names, physical))
     return out
+
+
+def readable_path(path: tuple) -> str:
+    """``keystr`` of a parameter's path without NNX's trailing ``.value``."""
+    return jax.tree_util.keystr(tuple(
+        k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
 
 
 def as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -149,40 +160,3 @@ def resolve_spec(
         used.update(axes)
         entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*entries)
-
-
-def constrain(x: jax.Array, names: Names) -> jax.Array:
-    """Constrains an activation's sharding by logical names, under the active strategy.
-
-    Outside ``px.train_step`` this is the identity, so a model that calls it still runs on
-    one device with no mesh. Inside, the names resolve through the strategy's rules (the
-    batch's name ``"batch"`` maps to the strategy's batch axes); mesh axes that are manual at
-    this point (inside ``shard_map``) are left out.
-
-    Args:
-      x: the activation.
-      names: one logical name (or None) per dimension of ``x``.
-
-    Returns:
-      ``x``, with a ``with_sharding_constraint`` when a strategy is active.
-
-    Example:
-      >>> import jax.numpy as jnp, parallax as px
-      >>> h = px.constrain(jnp.ones((8, 16, 64)), ("batch", "sequence", "embed"))
-    """
-    ctx = context.current()
-    if ctx is None:
-        return x
-    spec = resolve_spec(
-        names,
-        x.shape,
-        ctx.strategy.activation_rules,
-        ctx.mesh,
-        api="px.constrain",
-        skip_axes=ctx.manual_axes,
-        path=f"activation {names}",
-    )
-    if all(e is None for e in spec):
-        # A fully replicated constraint would force a gather; unmapped names mean "free".
-        return x
-    return jax.lax.with_sharding_constraint(x, spec)

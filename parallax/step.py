@@ -9,6 +9,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from parallax import batch as batch_lib
 from parallax import context, layout
 from parallax.mesh import describe
 from parallax.strategy import Strategy
@@ -78,78 +79,96 @@ def shard(tree, mesh: Mesh, strategy: Strategy | None = None):
       >>> import jax.numpy as jnp, parallax as px
       >>> params = px.shard({"w": jnp.ones((8, 4))}, px.make_mesh(data=-1), px.FSDP("data"))
       >>> params["w"].sharding.spec
-      P('data', None)
+      P('data',)
     """
     strategy = _strategy(strategy, mesh, "px.shard")
     return jax.device_put(tree, layout.state_shardings(tree, strategy, mesh, "px.shard"))
 
 
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x))))
-                          for x in leaves)
-
-
 class TrainStep:
     """A user's ``step(state, batch, *args) -> (state, metrics)``, jitted for a mesh.
 
-    Calling it validates the batch against the strategy, then runs one ``jax.jit``-ed SPMD
-    program whose state inputs and outputs carry the strategy's shardings and whose state
-    argument is donated (updated in place). ``lower(...)`` returns ``jax.jit``'s ``Lowered``
-    so the compiled program can be inspected (``.compile().as_text()``,
-    ``.memory_analysis()``).
+    Calling it runs one ``jax.jit``-ed SPMD program: the state keeps the layout it was
+    created in (``px.init``) and comes back in the strategy's layout, donated (updated in
+    place); the batch is split over the strategy's batch axes. ``lower(...)`` returns
+    ``jax.jit``'s ``Lowered`` so the compiled program can be inspected
+    (``.compile().as_text()``, ``.memory_analysis()``).
+
+    A call costs what ``jax.jit``'s dispatch costs and nothing of parallax's own: the jitted
+    function is built once, ``jax.jit``'s C++ cache keys each call on the arguments' tree
+    structure, shapes, dtypes and shardings, and parallax's checks (the batch against the
+    strategy, the returned state's structure) and layout run while ``jit`` traces, that is
+    only when a new signature makes it retrace.
     """
 
     def __init__(self, fn: Callable, mesh: Mesh, strategy: Strategy, donate: bool):
         self.fn, self.mesh, self.strategy, self.donate = fn, mesh, strategy, donate
-        self._cache: dict = {}
+        self._context = context.StepContext(mesh, strategy)
+        self._multiprocess = jax.process_count() > 1
+        # The state keeps its own (committed) shardings on the way in, and is constrained to
+        # the strategy's layout on the way out; every batch leaf gets the one batch sharding.
+        self._jitted = jax.jit(
+            self._traced,
+            in_shardings=(None, batch_lib.batch_sharding(strategy, mesh)),
+            donate_argnums=(0,) if donate else (),
+        )
         functools.update_wrapper(self, fn)
 
     def state_shardings(self, state):
+        """The ``NamedSharding`` of every leaf of ``state`` under the strategy."""
         return layout.state_shardings(state, self.strategy, self.mesh, "px.train_step")
 
-    def _jitted(self, state, batch, args):
-        layout.check_batch(batch, self.strategy, self.mesh, "px.train_step")
-        key = (_signature(state), _signature(batch), _signature(args))
-        if key not in self._cache:
-            state_sh = self.state_shardings(state)
-            batch_sh = layout.batch_shardings(batch, self.strategy, self.mesh)
-            ctx = context.StepContext(self.mesh, self.strategy)
-            in_structure = jax.tree.structure(state)
-
-            def traced(state, batch, *args):
-                with context.activate(ctx):
-                    out = self.fn(state, batch, *args)
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(
-                        f"px.train_step: {getattr(self.fn, '__name__', 'the step')} must "
-                        f"return (state, metrics); it returned {type(out).__name__}."
-                    )
-                new_state, metrics = out
-                if jax.tree.structure(new_state) != in_structure:
-                    raise TypeError(
-                        "px.train_step: the state returned by the step has a different "
-                        f"structure from the state passed in:\n  in:  {in_structure}\n  "
-                        f"out: {jax.tree.structure(new_state)}"
-                    )
-                return new_state, metrics
-
-            self._cache[key] = jax.jit(
-                traced,
-                in_shardings=(state_sh, batch_sh) + (None,) * len(args),
-                out_shardings=(state_sh, None),
-                donate_argnums=(0,) if self.donate else (),
+    def _traced(self, state, batch, *args):
+        """The step as ``jit`` traces it: checks, the strategy's context, the layout."""
+        self._check(batch)
+        state_sh = self.state_shardings(state)
+        with context.activate(self._context):
+            out = self.fn(state, batch, *args)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"px.train_step: {getattr(self.fn, '__name__', 'the step')} must "
+                f"return (state, metrics); it returned {type(out).__name__}."
             )
-        return self._cache[key]
+        new_state, metrics = out
+        if jax.tree.structure(new_state) != jax.tree.structure(state):
+            raise TypeError(
+                "px.train_step: the state returned by the step has a different "
+                f"structure from the state passed in:\n  in:  {jax.tree.structure(state)}\n  "
+                f"out: {jax.tree.structure(new_state)}"
+            )
+        return jax.lax.with_sharding_constraint(new_state, state_sh), metrics
 
     def __call__(self, state, batch, *args):
-        jitted = self._jitted(state, batch, args)
-        with jax.set_mesh(self.mesh):
-            return jitted(state, batch, *args)
+        if self._multiprocess:
+            batch = batch_lib.assemble(batch, self.strategy, self.mesh)
+        try:
+            with jax.set_mesh(self.mesh):
+                return self._jitted(state, batch, *args)
+        except (TypeError, ValueError) as error:
+            # jit checks the arguments against their shardings before tracing, with
+            # messages about pjit; parallax's own checks say what is wrong and the fix.
+            self._check(batch)
+            raise error
+
+    def _check(self, batch) -> None:
+        """The checks that run at trace time, for errors ``jit`` raises before tracing."""
+        batch_lib.check_batch(batch, self.strategy, self.mesh, "px.train_step")
 
     def lower(self, state, batch, *args):
-        """``jax.jit(...).lower``: the program this step runs, before compilation."""
-        jitted = self._jitted(state, batch, args)
+        """``jax.jit(...).lower``: the program this step runs, before compilation.
+
+        The state's shardings are the strategy's here (not the arguments' own), so an
+        abstract state (``jax.ShapeDtypeStruct`` without shardings) lowers to the program a
+        real call runs.
+        """
+        if self._multiprocess:
+            batch = batch_lib.assemble(batch, self.strategy, self.mesh)
+        jitted = jax.jit(
+            self._traced,
+            in_shardings=(self.state_shardings(state), batch_lib.batch_sharding(
+                self.strategy, self.mesh)),
+            donate_argnums=(0,) if self.donate else (),
+        )
         with jax.set_mesh(self.mesh):
             return jitted.lower(state, batch, *args)
 

@@ -6,8 +6,11 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   ``"heads"``, ``"mlp"``, ``"vocab"`` to ``"tensor"``);
 - ``batch_axes``: the mesh axes that split the batch (data parallel, and ZeRO's axis, since
   every ZeRO rank sees its own slice of the batch);
-- ``zero_stage`` / ``shard_axis``: what ZeRO shards over its axis (1: optimizer state,
-  2: + gradients, 3: + parameters);
+- ``zero``: what ZeRO shards over its axis (1: optimizer state, 2: + gradients,
+  3: + parameters), as a :class:`StateSharding` value that also carries ZeRO's mechanism
+  (which dimension of a leaf to shard, the all-gather and the reduce-scatter); the core
+  calls it and never imports ``parallax.strategies``. ``zero_stage`` and ``shard_axis``
+  read it;
 - ``style``: how gradients are synchronised over the batch axes. ``"explicit"`` (the default)
   computes local gradients inside ``shard_map`` and issues the collectives itself
   (``psum`` for data parallel, ``psum_scatter`` for ZeRO 2/3, ``all_gather`` of parameters for
@@ -36,13 +39,41 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
+import jax
 from jax.sharding import Mesh
 
 from parallax.mesh import AXIS_ORDER, describe
 from parallax.rules import MeshAxes, Rules, as_tuple
 
 STYLES = ("explicit", "gspmd")
+ROLES = ("opt", "grad", "param")  # the parts of a training state a strategy may shard
+
+
+class StateSharding(Protocol):
+    """How a ZeRO-like strategy shards training state over one batch axis.
+
+    ``parallax.strategies.zero.ZeroSharding`` implements it. The layout asks it which
+    dimension of each leaf to shard and which roles are sharded; the explicit gradient
+    sync calls ``gather`` (inside ``shard_map``, before the forward pass) and ``scatter``
+    (after the backward pass) on leaves whose role it shards.
+    """
+
+    stage: int
+    axis: str
+
+    def shards(self, role: str) -> bool:
+        """Whether leaves of ``role`` (``"opt"``, ``"grad"``, ``"param"``) are sharded."""
+
+    def shard_dim(self, base, shape, names, mesh: Mesh) -> int | None:
+        """The dimension to shard over ``axis`` (None: keep the leaf replicated)."""
+
+    def gather(self, x: jax.Array, dim: int) -> jax.Array:
+        """A parameter's full value from its shards (inside ``shard_map`` over ``axis``)."""
+
+    def scatter(self, g: jax.Array, dim: int) -> jax.Array:
+        """The summed shard of a gradient this device keeps (inside ``shard_map``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +84,7 @@ class Strategy:
       name: a readable description (``"DataParallel('data') + ZeRO(3, 'fsdp')"``).
       rules: logical axis -> mesh axes, as a tuple of pairs (immutable, ordered).
       batch_axes: mesh axes that split the batch's leading dimension, in mesh order.
-      zero_stage: 0 (nothing sharded), 1, 2 or 3.
-      shard_axis: the mesh axis ZeRO shards over (None when ``zero_stage`` is 0).
+      zero: ZeRO's sharding of the training state (None: nothing sharded).
       style: ``"explicit"`` or ``"gspmd"`` (see the module docstring); None = no preference.
       grad_fn: optional gradient producer ``grad_fn(request, params, batch)``.
       microbatches: micro-batches per device slice that ``grad_fn`` uses (1 without one).
@@ -67,8 +97,7 @@ class Strategy:
     name: str = "Replicated()"
     rules: Rules = ()
     batch_axes: tuple[str, ...] = ()
-    zero_stage: int = 0
-    shard_axis: str | None = None
+    zero: StateSharding | None = None
     style: str | None = None
     grad_fn: Callable | None = None
     microbatches: int = 1
@@ -85,6 +114,16 @@ class Strategy:
         table = self.rule_table
         table.setdefault("batch", self.batch_axes or None)
         return table
+
+    @property
+    def zero_stage(self) -> int:
+        """0 (nothing sharded), 1, 2 or 3."""
+        return self.zero.stage if self.zero is not None else 0
+
+    @property
+    def shard_axis(self) -> str | None:
+        """The mesh axis ZeRO shards over (None without ZeRO)."""
+        return self.zero.axis if self.zero is not None else None
 
     @property
     def sync_style(self) -> str:
@@ -175,7 +214,7 @@ def compose(*strategies: Strategy) -> Strategy:
                     f"and shards logical axis {logical!r} in {owner[logical].name}; use a "
                     "different mesh axis for one of them."
                 )
-    zeros = [s for s in strategies if s.zero_stage]
+    zeros = [s for s in strategies if s.zero is not None]
     if len(zeros) > 1:
         raise ValueError(
             f"px.compose: two ZeRO strategies ({zeros[0].name}, {zeros[1].name}); keep one "
@@ -208,8 +247,7 @@ def compose(*strategies: Strategy) -> Strategy:
         name=name,
         rules=tuple(rules.items()),
         batch_axes=_order(batch),
-        zero_stage=zeros[0].zero_stage if zeros else 0,
-        shard_axis=zeros[0].shard_axis if zeros else None,
+        zero=zeros[0].zero if zeros else None,
         style=styles.pop() if styles else None,
         grad_fn=producers[0].grad_fn if producers else None,
         microbatches=producers[0].microbatches if producers else 1,

@@ -145,7 +145,7 @@ def test_zero2_pipeline_gpt_matches_one_device_with_gradients_and_momenta_over_f
     lays = layout.state_layout(state, strategy, mesh, "test")
     assert all(lay.shard_dim is not None for lay in lays.params)  # every leaf can shard
     for g, lay in zip(jax.tree.leaves(grads[-1]), lays.params, strict=True):
-        want = NamedSharding(mesh, lay.spec(True, "fsdp"))
+        want = NamedSharding(mesh, lay.spec("grad"))
         assert g.sharding.is_equivalent_to(want, g.ndim), (lay.path, g.sharding.spec)
     for leaf, spec, role in zip(jax.tree.leaves(state), lays.specs, lays.roles, strict=True):
         assert leaf.sharding.spec == spec, role

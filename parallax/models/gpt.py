@@ -38,7 +38,8 @@ from parallax.models.layers import (
     padded_size,
 )
 from parallax.mesh import axes_text, axis_size
-from parallax.rules import as_tuple, constrain
+from parallax.activations import constrain
+from parallax.rules import as_tuple
 
 RESIDUAL = ("batch", "sequence", "embed")
 WHOLE_SEQUENCE = ("batch", None, "embed")  # before a column-parallel matmul

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax import context
-from parallax.rules import constrain, resolve_spec
+from parallax.activations import constrain
+from parallax.rules import resolve_spec
 
 Initializer = nnx.initializers.Initializer
 Names = tuple[str | None, ...]

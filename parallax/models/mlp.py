@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.models.layers import Dense
-from parallax.rules import constrain
+from parallax.activations import constrain
 
 
 def _layer_names(i: int) -> tuple[str, str]:

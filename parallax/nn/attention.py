@@ -30,7 +30,7 @@ from jax import lax
 
 from parallax.nn import regions, rng
 from parallax.nn.linear import ColumnParallelLinear, RowParallelLinear
-from parallax.rules import constrain
+from parallax.activations import constrain
 
 Initializer = nnx.initializers.Initializer
 _HEADS = ("batch", None, "heads", "kv")  # GSPMD: the sequence stays whole for attention

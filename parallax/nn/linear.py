@@ -28,7 +28,7 @@ from flax import nnx
 
 from parallax.models.layers import annotated_param
 from parallax.nn import regions
-from parallax.rules import constrain
+from parallax.activations import constrain
 
 Initializer = nnx.initializers.Initializer
 Shape = int | Sequence[int]

@@ -32,8 +32,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from parallax import context
-from parallax.rules import annotated_leaves
-from parallax.strategies.tensor import TensorParallel, readable_path, sharded_dims
+from parallax.rules import annotated_leaves, readable_path
+from parallax.strategies.tensor import TensorParallel, sharded_dims
 
 
 def _leaf_specs(params, mesh, axis: str, rules, api: str) -> list[P]:

@@ -82,3 +82,17 @@ def sizes(actions: list[list[Action]], microbatches, virtual_stages) -> tuple[in
     if virtual_stages is None:
         virtual_stages = max((a.chunk for a in flat), default=0) + 1
     return microbatches, virtual_stages
+
+
+def costs(f, b, w) -> dict[str, float]:
+    """The time of each action kind from the costs of a forward, a backward and its W part."""
+    for name, value in (("f", f), ("b", b)):
+        if not value > 0:
+            raise ValueError(f"schedule: cost {name} must be positive, got {value!r}")
+    w = b / 2 if w is None else w
+    if not 0 <= w <= b:
+        raise ValueError(
+            "schedule: cost w is the weight-gradient part of b, so 0 <= w <= b; "
+            f"got w={w!r}, b={b!r}"
+        )
+    return {"F": f, "B": b - w, "W": w}

@@ -16,14 +16,12 @@ largest number of values held at once. A slot read in a tick is not written in t
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from parallax.pipeline.action import KIND_CODES, Action
 
-if TYPE_CHECKING:
-    from parallax.pipeline.schedule import Schedule
 
 
 class ScheduleArrays(NamedTuple):
@@ -47,7 +45,7 @@ class ScheduleArrays(NamedTuple):
     gradient_capacity: np.ndarray  # [S]
 
 
-def schedule_arrays(schedule: Schedule) -> ScheduleArrays:
+def schedule_arrays(schedule) -> ScheduleArrays:
     """Builds the arrays and buffer plan of ``schedule`` (``Schedule.as_arrays``)."""
     T, S, V = schedule.ticks, schedule.stages, schedule.virtual_stages
     last = S * V - 1

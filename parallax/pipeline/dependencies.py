@@ -8,12 +8,9 @@ every action at the first tick the rules allow. Chunk ``c`` of stage ``s`` is vi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from parallax.pipeline.action import KINDS, Action
 
-if TYPE_CHECKING:
-    from parallax.pipeline.schedule import Schedule
 
 _FORWARD = (
     "a forward needs the previous stage's activation, which arrives one tick after it is sent"
@@ -47,7 +44,7 @@ def requirements(
     return [(Action("B", m, c), stage, _WEIGHT)]
 
 
-def check(schedule: Schedule) -> None:
+def check(schedule) -> None:
     """Raises ``ValueError`` for the first broken rule (see ``Schedule.validate``)."""
     for field in ("stages", "microbatches", "virtual_stages"):
         value = getattr(schedule, field)

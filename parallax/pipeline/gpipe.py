@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from parallax import context
 from parallax.pipeline import runtime
-from parallax.pipeline.grad import check_count, check_remat, split_target
+from parallax.grad import split_target
+from parallax.microbatch import check_microbatches
+from parallax.pipeline.grad import check_count, check_remat
 from parallax.pipeline.stages import Stages, program
 from parallax.vma import varying_axes
 
@@ -77,8 +79,6 @@ def gpipe_value_and_grad(stages: Stages, *, microbatches: int, axis: str = "stag
 
 
 def _gpipe(stages, params, rebuild, batch, M: int, axis: str, *, remat: bool, policy):
-    from parallax.strategies.accumulate import check_microbatches  # no import cycle
-
     S = runtime.stage_count(axis, None, API)
     check_microbatches(batch, M, API)
     prog = program(stages, params, rebuild, API)

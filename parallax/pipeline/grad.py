@@ -14,9 +14,10 @@ import operator
 from collections.abc import Callable
 
 import jax
-from flax import nnx
 
 from parallax import context
+from parallax.grad import split_target
+from parallax.microbatch import check_microbatches
 from parallax.pipeline import runtime
 from parallax.pipeline.schedule import Schedule
 from parallax.pipeline.schedules import SCHEDULES, schedule as build_schedule
@@ -110,8 +111,6 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule
     size = runtime.stage_count(axis, None, api)
     sched = resolve_schedule(schedule, size, microbatches, virtual_stages, split_backward,
                              axis, api)
-    from parallax.strategies.accumulate import check_microbatches  # no import cycle
-
     check_microbatches(batch, sched.microbatches, api)
     prog = program(stages, params, rebuild, api)
     runtime.check_layers(prog.stacked[0].shape[0], sched.stages, sched.virtual_stages, api,
@@ -120,14 +119,6 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule
         loss, d_stacked, d_others, *codes = runtime.execute(
             prog, sched, batch, axis=axis, remat=mode, policy=policy, api=api, trace=trace)
     return (loss, prog.grads(d_stacked, d_others), *codes)
-
-
-def split_target(target):
-    """(params, rebuild): an NNX module is differentiated w.r.t. its ``nnx.Param`` state."""
-    if isinstance(target, nnx.Module):
-        graphdef, params, rest = nnx.split(target, nnx.Param, ...)
-        return params, lambda p: nnx.merge(graphdef, p, rest)
-    return target, lambda p: p
 
 
 def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from parallax.pipeline.schedule import Schedule
+from parallax.pipeline.action import costs
 
 COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
 
 
 def plot(
-    schedule: Schedule, path=None, *, f: float = 1, b: float = 2, w: float | None = None, ax=None
+    schedule, path=None, *, f: float = 1, b: float = 2, w: float | None = None, ax=None
 ):
     """Draws ``schedule`` as a Gantt chart in time units and optionally saves it.
 
@@ -45,9 +42,7 @@ def plot(
             "Schedule.plot needs matplotlib, an optional dependency of parallax: "
             "pip install matplotlib (or pip install 'parallax[dev]')"
         ) from error
-    from parallax.pipeline.schedule import _costs
-
-    cost = _costs(f, b, w)
+    cost = costs(f, b, w)
     if ax is None:
         fig = Figure(
             figsize=(min(max(6.0, 0.3 * schedule.ticks), 24.0), 1.2 + 0.45 * schedule.stages)

@@ -34,22 +34,10 @@ from parallax.pipeline import plot as _plot
 from parallax.pipeline.action import KIND_CODES as KIND_CODES
 from parallax.pipeline.action import KINDS as KINDS
 from parallax.pipeline.action import Action as Action
+from parallax.pipeline.action import costs as _costs
 from parallax.pipeline.action import parse_cell as _action
 from parallax.pipeline.action import parse_order as _parse_order
 from parallax.pipeline.action import sizes as _sizes
-
-
-def _costs(f, b, w) -> dict[str, float]:
-    for name, value in (("f", f), ("b", b)):
-        if not value > 0:
-            raise ValueError(f"schedule: cost {name} must be positive, got {value!r}")
-    w = b / 2 if w is None else w
-    if not 0 <= w <= b:
-        raise ValueError(
-            "schedule: cost w is the weight-gradient part of b, so 0 <= w <= b; "
-            f"got w={w!r}, b={b!r}"
-        )
-    return {"F": f, "B": b - w, "W": w}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

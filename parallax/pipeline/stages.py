@@ -18,9 +18,6 @@ import jax
 from flax import nnx
 from jax import lax
 
-LAYERS = "layers"
-
-
 @dataclasses.dataclass(frozen=True)
 class Stages:
     """A loss function split for a pipeline: ``first``, one ``stage`` per layer, ``last``.

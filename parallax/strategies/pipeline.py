@@ -7,6 +7,7 @@ from parallax.pipeline.grad import (check_count, check_remat, check_schedule_nam
                                     pipeline_grads)
 from parallax.pipeline.schedule import Schedule
 from parallax.pipeline.stages import Stages
+from parallax.rules import LAYERS
 from parallax.strategy import Strategy
 
 API = "px.Pipeline"
@@ -96,8 +97,6 @@ def Pipeline(axis: str = "stage", *, microbatches: int, schedule: str | Schedule
         microbatches=microbatches,
     )
 
-
-LAYERS = "layers"
 
 
 def _check_style() -> None:

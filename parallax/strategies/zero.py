@@ -1,15 +1,76 @@
-"""ZeRO stages 1, 2, 3 (FSDP) and HSDP: shard training state over a batch axis."""
+"""ZeRO stages 1, 2, 3 (FSDP) and HSDP: shard training state over a batch axis.
+
+The strategy (:func:`ZeRO`) and its mechanism (:class:`ZeroSharding`) live here together:
+which dimension of each leaf is sharded, which parts of the state (optimizer state,
+gradients, parameters) are, and the two collectives of the explicit style, the all-gather
+of a parameter before use and the reduce-scatter of its gradient. ``parallax.layout`` and
+``parallax.grad`` call them through the strategy's ``zero`` field.
+"""
 
 from __future__ import annotations
 
-from parallax.strategy import Strategy, check_style, compose
+import dataclasses
+
+import jax
+from jax import lax
+
+from parallax.rules import LAYERS
 from parallax.strategies.data import DataParallel
+from parallax.strategy import Strategy, check_style, compose
 
 _WHAT = {
     1: "optimizer state",
     2: "optimizer state and gradients",
     3: "optimizer state, gradients and parameters",
 }
+_FIRST_STAGE = {"opt": 1, "grad": 2, "param": 3}  # the stage from which a role is sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSharding:
+    """ZeRO's sharding of the training state over ``axis`` (a ``StateSharding``).
+
+    Attributes:
+      stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
+      axis: the mesh axis the state is sharded over (it also splits the batch).
+
+    Example:
+      >>> import jax, parallax as px
+      >>> zero = px.ZeRO(2, "fsdp").zero
+      >>> zero.shards("grad"), zero.shards("param")
+      (True, False)
+      >>> zero.shard_dim(jax.P(None, None), (64, 256), ("embed", "mlp"),
+      ...                px.make_mesh(fsdp=-1))
+      1
+    """
+
+    stage: int
+    axis: str
+
+    def shards(self, role: str) -> bool:
+        return self.stage >= _FIRST_STAGE[role]
+
+    def shard_dim(self, base, shape, names, mesh) -> int | None:
+        """The largest dimension that is free, divisible, and not the stacked layer axis.
+
+        Free: no rule shards it already (tensor parallelism keeps its dimension). Not
+        ``"layers"``: slicing one layer per scan iteration must not move data.
+        """
+        ways = mesh.shape[self.axis]
+        if ways == 1:
+            return None
+        candidates = [
+            d for d, size in enumerate(shape)
+            if base[d] is None and size % ways == 0 and size >= ways
+            and not (names is not None and names[d] == LAYERS)
+        ]
+        return max(candidates, key=lambda d: (shape[d], -d)) if candidates else None
+
+    def gather(self, x: jax.Array, dim: int) -> jax.Array:
+        return lax.all_gather(x, self.axis, axis=dim, tiled=True)
+
+    def scatter(self, g: jax.Array, dim: int) -> jax.Array:
+        return lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True)
 
 
 def ZeRO(stage: int, axis: str = "fsdp", *, style: str | None = None) -> Strategy:
@@ -58,8 +119,7 @@ def ZeRO(stage: int, axis: str = "fsdp", *, style: str | None = None) -> Strateg
     return Strategy(
         name=f"ZeRO({stage}, {axis!r})",
         batch_axes=(axis,),
-        zero_stage=stage,
-        shard_axis=axis,
+        zero=ZeroSharding(stage, axis),
         style=style,
     )
 

@@ -262,7 +262,7 @@ def test_trains_under_data_and_tensor_parallel_like_one_device(loss):
         lambda: px.TrainState.create(GPT(TINY, rngs=nnx.Rngs(0)), optax.sgd(0.1)), mesh, strategy
     )
     query = state.params["blocks"]["attn"]["query"]["kernel"][...]
-    assert query.sharding.spec == jax.P(None, None, "tensor", None)  # heads split
+    assert query.sharding.spec == jax.P(None, None, "tensor")  # heads split
 
     @px.train_step(mesh, strategy)
     def step(state, batch):

@@ -6,11 +6,11 @@ See ``docs/models.md``.
 """
 
 from parallax.models.gpt import GPT as GPT
-from parallax.models.gpt import GPTConfig as GPTConfig
+from parallax.models.gpt_config import GPTConfig as GPTConfig
 from parallax.models.gpt import block_forward as block_forward
-from parallax.models.gpt import flops_per_token as flops_per_token
+from parallax.models.gpt_config import flops_per_token as flops_per_token
 from parallax.models.gpt import next_token_loss as next_token_loss
-from parallax.models.gpt import param_count as param_count
+from parallax.models.gpt_config import param_count as param_count
 from parallax.models.gpt_pipeline import next_token_stages as next_token_stages
 from parallax.models.mlp import MLP as MLP
 from parallax.models.mlp import mse_loss as mse_loss

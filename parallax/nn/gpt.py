@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax.models.gpt import GPTConfig, block_forward, create_gpt_params
+from parallax.models.gpt import block_forward, create_gpt_params
+from parallax.models.gpt_config import GPTConfig
 from parallax.models.layers import LayerNorm
 from parallax.nn import regions
 from parallax.nn.attention import ParallelSelfAttention

@@ -1,5 +1,8 @@
 """A pipeline schedule as data: a table of ticks x stages, each cell one action or idle.
 
+(A little over 300 lines: the tick model below is the runtime's contract, kept beside the
+table it governs.)
+
 The tick model (an SPMD lock-step runtime, see ``docs/pipeline.md``):
 
 * All stages advance through ticks together. In a tick every stage runs at most one action

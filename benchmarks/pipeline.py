@@ -1,7 +1,8 @@
-"""Each pipeline schedule through the SPMD runtime: bubble, memory, traffic and step time.
+"""Each pipeline schedule through the SPMD runtime: bubble, memory, traffic, work and time.
 
-For GPipe, 1F1B (PipeDream-flush), 1F1B with the split backward, interleaved 1F1B and
-GPipe by autodiff of a forward scan, on the same model, mesh and batch, one run prints:
+For GPipe, 1F1B (PipeDream-flush), 1F1B with the split backward, interleaved 1F1B, the
+zero-bubble schedules (ZB-H1, ZB-H2, interleaved ZB, ZB-V, DualPipeV) and GPipe by autodiff
+of a forward scan, on the same model, mesh and batch, one run prints:
 
 - ``ticks`` and ``bubble``: the schedule's lock-step length and bubble fraction (f=1, b=2),
   read from its table; GPipe by autodiff has no table, so its row shows ``-`` and the
@@ -11,6 +12,12 @@ GPipe by autodiff of a forward scan, on the same model, mesh and batch, one run 
   (the two per-tick ``ppermute``s; for interleaved also the layer moves of
   ``parallax.pipeline.interleave``), and ``all-reduce MB`` (gradients of the parameters
   outside the stack, summed over stages);
+- ``flops`` and ``bytes``: what the compiled program executes, summed over the stages,
+  relative to the sequential program's (printed in the header):
+  ``parallax.pipeline.runtime.executed`` counts each instruction as XLA's cost analysis
+  does, loop bodies times their trip counts, and the runtime's switch branches as often as
+  the table runs them (XLA's own ``cost_analysis()`` counts a loop body once). ``bytes``
+  is relative to the sequential program's bytes plus the permuted bytes;
 - ``time``: the median step time relative to the sequential model (``jax.value_and_grad``
   of the same ``Stages`` loss, jitted on one device), timed alternately in one run.
 
@@ -21,7 +28,7 @@ the HLO columns are exact on any backend.
 Usage:
   python benchmarks/pipeline.py [--model toy|gpt] [--stages 4] [--microbatches 8]
                                 [--batch 32] [--steps 10] [--remat never]
-                                [--schedules "gpipe,1f1b,1f1b split,interleaved v=2,gpipe autodiff"]
+                                [--schedules "gpipe,1f1b,zbv,gpipe autodiff"]
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ TABLES = {  # row -> (schedule, virtual stages, split backward), run by the tabl
     "1f1b": ("1f1b", 1, False),
     "1f1b split": ("1f1b", 1, True),
     "interleaved v=2": ("interleaved_1f1b", 2, False),
+    "zb_h1": ("zb_h1", 1, True),
+    "zb_h2": ("zb_h2", 1, True),
+    "interleaved_zb": ("interleaved_zb", 2, True),
+    "zbv": ("zbv", 2, True),
+    "dualpipev": ("dualpipev", 2, True),
 }
 ROWS = (*TABLES, "gpipe autodiff")
 
@@ -69,6 +81,8 @@ def main(argv=None) -> int:
     import parallax as px
     from parallax import pipeline as pp
     from parallax.analysis import hlo
+    from parallax.pipeline.runtime.executed import executed_cost, table_fractions
+    from parallax.pipeline.runtime.plan import runtime_plan
     from parallax.strategies.pipeline import Pipeline
 
     p, m = args.stages, args.microbatches
@@ -102,8 +116,13 @@ def main(argv=None) -> int:
             return nnx.merge(graphdef, px.shard(state, mesh, strategy))
         return px.shard(tree, mesh, strategy)
 
-    tables = {name: pp.schedule(kind, p, m, v, split_backward=split)  # row -> its table
-              for name, (kind, v, split) in TABLES.items() if name in rows}
+    tables = {}  # row -> its table; rows a size cannot run (DualPipeV: m < 2p) are skipped
+    for name, (kind, v, split) in TABLES.items():
+        if name in rows:
+            try:
+                tables[name] = pp.schedule(kind, p, m, v, split_backward=split)
+            except ValueError as error:
+                print(f"{name}: skipped ({error})")
     programs = {
         name: pp.value_and_grad(loss, t.name, microbatches=m, virtual_stages=t.virtual_stages,
                                 split_backward=t.split_backward, remat=args.remat)
@@ -138,23 +157,34 @@ def main(argv=None) -> int:
             times[name].append(timed(c, dist_target, dist_batch))
     base = statistics.median(times["sequential"])
 
-    print(f"\n{what}; {p} stages, {m} micro-batches of {args.batch // m}, remat={args.remat!r}")
+    seq_cost = executed_cost(sequential)
+    print(f"\n{what}; {p} stages, {m} micro-batches of {args.batch // m}, remat={args.remat!r}; "
+          f"sequential step: {seq_cost.flops / 1e9:.2f} GFLOP, {seq_cost.bytes / 1e9:.2f} GB")
     head = (f"{'schedule':<16}{'ticks':>6}{'bubble':>8}{'temp MB':>9}{'permute MB':>12}"
-            f"{'all-reduce MB':>15}{'time':>7}")
+            f"{'all-reduce MB':>15}{'flops':>7}{'bytes':>7}{'time':>7}")
     print(head)
     print("-" * len(head))
     seq_temp = hlo.memory(sequential).temp_bytes / 1e6
-    print(f"{'sequential':<16}{'':>6}{'':>8}{seq_temp:>9.2f}{0:>12.2f}{0:>15.2f}{1:>7.2f}")
+    print(f"{'sequential':<16}{'':>6}{'':>8}{seq_temp:>9.2f}{0:>12.2f}{0:>15.2f}{1:>7.2f}"
+          f"{1:>7.2f}{1:>7.2f}")
+    remat_plan = args.remat if args.remat in ("always", "except_last") else "never"
     for name, c in compiled.items():
         found = hlo.collectives(c, mesh)
         sched = tables.get(name)
         ticks = f"{sched.ticks}" if sched else "-"  # no table: nothing to read
         bubble = f"{sched.bubble_fraction():.3f}" if sched else "-"
+        permuted = hlo.total_bytes(found, "collective-permute")
+        # summed over the stages; a table's switch weighed by the table, GPipe by
+        # autodiff's conditionals (first, last) at their most expensive branch
+        cost = executed_cost(c, table_fractions(runtime_plan(sched, remat_plan))
+                             if sched else None)
         print(f"{name:<16}{ticks:>6}{bubble:>8}{hlo.memory(c).temp_bytes / 1e6:>9.2f}"
-              f"{hlo.total_bytes(found, 'collective-permute') / 1e6:>12.2f}"
+              f"{permuted / 1e6:>12.2f}"
               f"{hlo.total_bytes(found, 'all-reduce') / 1e6:>15.2f}"
+              f"{p * cost.flops / seq_cost.flops:>7.2f}"
+              f"{p * cost.bytes / (seq_cost.bytes + p * permuted):>7.2f}"
               f"{statistics.median(times[name]) / base:>7.2f}")
-    print("\nticks, bubble: read from each schedule's table (f=1, b=2).")
+    print("\nticks, bubble: read from each schedule's table (f=1, b=2, so F = B = W = 1).")
     if "gpipe autodiff" in compiled:
         print(f"gpipe autodiff has no table (-): its scan runs m + p - 1 = {m + p - 1} forward "
               "ticks and autodiff reverses them; by formula, not measured, its lock-step "

@@ -1,18 +1,22 @@
 """``px.Pipeline``: the GPT pipelined inside ``px.train_step``, alone and in 3D parallelism."""
 
+import functools
 import re
 
 import fixtures as fx
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
 import parallax as px
 from parallax import layout
+from parallax.analysis import hlo
 from parallax.models.gpt_pipeline import next_token_stages
 from parallax.strategies.pipeline import Pipeline
+from pipeline.runtime_testing import LOSS, Toy, toy_batch
 
 
 def test_the_gpt_stages_are_the_gpt_loss():
@@ -101,22 +105,74 @@ def test_3d_parallel_gpt_matches_one_device():
     px.testing.assert_equivalent(run, ref, rtol=1e-5)
 
 
+def make_gpt4():
+    config = px.models.GPTConfig.tiny(num_layers=4)
+    return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(1)), fx.GPT_TX)
+
+
+@functools.cache
+def gpt4_reference():
+    """A 4-layer GPT on one device, 5 momentum-SGD steps (two chunks per stage on 2 stages)."""
+    data = fx.gpt_batches(fx.STEPS, batch=8)
+    return data, px.testing.train(make_gpt4, px.models.next_token_loss, data)
+
+
 @pytest.mark.slow
 def test_fsdp_tensor_and_interleaved_pipeline_gpt_matches_one_device():
-    """ZeRO 3 x TP x interleaved 1F1B on a 4-layer GPT (2 chunks per stage), 3 steps."""
-    config = px.models.GPTConfig.tiny(num_layers=4)
-
-    def make():
-        return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(1)), fx.GPT_TX)
-
-    data = fx.gpt_batches(3, batch=8)
-    ref = px.testing.train(make, px.models.next_token_loss, data)
+    """ZeRO 3 x TP x interleaved 1F1B on a 4-layer GPT (2 chunks per stage), 5 steps."""
+    data, ref = gpt4_reference()
     mesh = px.make_mesh(stage=2, fsdp=2, tensor=2)
     strategy = px.compose(px.FSDP("fsdp"), px.TensorParallel("tensor"),
                           Pipeline("stage", microbatches=2, schedule="interleaved_1f1b",
                                    virtual_stages=2, remat="always"))
-    run = px.testing.train(make, next_token_stages, data, mesh=mesh, strategy=strategy)
+    run = px.testing.train(make_gpt4, next_token_stages, data, mesh=mesh, strategy=strategy)
     px.testing.assert_equivalent(run, ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_shaped_zero_bubble_schedules_train_the_gpt_like_one_device(schedule):
+    """ZB-V and DualPipeV (two chunks per stage in the V placement, B and W split) on a
+    4-layer GPT over 2 stages, 4 micro-batches: 5 steps equal the one-device run."""
+    data, ref = gpt4_reference()
+    mesh = px.make_mesh(stage=2, devices=jax.devices()[:2])
+    strategy = Pipeline("stage", microbatches=4, schedule=schedule, remat="never")
+    run = px.testing.train(make_gpt4, next_token_stages, data, mesh=mesh, strategy=strategy)
+    px.testing.assert_equivalent(run, ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_uneven_stages_from_a_partition_train_like_one_device():
+    """Layers [3, 2, 2, 1] over 4 stages (torchgpipe's balance, or a partition's Plan):
+    5 steps equal one device."""
+    def make():  # a step small enough for the toy's 8 layers to train, not to blow up
+        return px.TrainState.create(Toy(layers=8), optax.sgd(0.01, momentum=0.9))
+
+    data = [toy_batch(16, seed=s) for s in range(fx.STEPS)]
+    ref = px.testing.train(make, LOSS, data)
+    plan = px.pipeline.Plan.from_boundaries([1.0] * 8, (0, 3, 5, 7, 8))
+    assert plan.layers_per_stage == (3, 2, 2, 1)
+    mesh = px.make_mesh(stage=4, devices=jax.devices()[:4])
+    strategy = Pipeline("stage", microbatches=4, schedule="1f1b", balance=plan)
+    run = px.testing.train(make, LOSS, data, mesh=mesh, strategy=strategy)
+    px.testing.assert_equivalent(run, ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_zero3_parameters_are_gathered_once_per_step_not_per_microbatch():
+    """ZeRO 3 x PP (explicit style): one all-gather per parameter, outside the tick loop,
+    whatever the number of micro-batches (the gather runs before the pipeline, once per
+    step, on each stage's own layers)."""
+    mesh = px.make_mesh(stage=2, fsdp=2, devices=jax.devices()[:4])
+    state = jax.eval_shape(lambda: px.TrainState.create(Toy(), fx.GPT_TX))
+    gathers = {}
+    for m in (2, 4):
+        strategy = px.compose(px.ZeRO(3, "fsdp"), Pipeline("stage", microbatches=m))
+        program = _step(mesh, strategy, LOSS).lower(state, toy_batch(16)).compile()
+        found = [c for c in hlo.collectives(program, mesh) if c.kind == "all-gather"]
+        assert all(c.axes == ("fsdp",) and c.count == 1 and c.in_entry for c in found)
+        gathers[m] = len(found)
+    assert gathers == {2: 3, 4: 3}  # w_in, the stacked blocks, w_out: once each
 
 
 @pytest.mark.slow
@@ -175,8 +231,9 @@ def test_gspmd_style_data_parallelism_is_refused():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(microbatches=2, schedule="interleaved_1f1b", virtual_stages=2),
      "px.Pipeline: the model's 2 stacked layers do not split into stages=2 (mesh axis 'stage') "
-     "x virtual_stages=2 = 4 equal chunks; use a multiple of 4 layers (e.g. 4), or stages and "
-     "virtual_stages whose product divides 2"),
+     "x virtual_stages=2 = 4 equal chunks; use a multiple of 4 layers (e.g. 4), stages and "
+     "virtual_stages whose product divides 2, or balance= to give each stage its own number of "
+     "layers"),
     (dict(microbatches=1, schedule="interleaved_1f1b", virtual_stages=2),
      "px.Pipeline on mesh axis 'stage' of size 2: schedule: interleaved with too few "
      "micro-batches: 1 for 2 stages"),

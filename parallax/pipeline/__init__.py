@@ -26,34 +26,42 @@ scan differentiated by autodiff.
 See ``docs/pipeline.md`` for the tick model, the runtime, the formulas and measurements.
 """
 
-from parallax.pipeline.gpipe import gpipe_value_and_grad as gpipe_value_and_grad
-from parallax.pipeline.grad import POLICIES as POLICIES
-from parallax.pipeline.grad import REMAT as REMAT
-from parallax.pipeline.grad import value_and_grad as value_and_grad
-from parallax.pipeline.partition import METHODS as METHODS
-from parallax.pipeline.partition import Plan as Plan
-from parallax.pipeline.partition import partition as partition
-from parallax.pipeline.profile import LayerProfile as LayerProfile
-from parallax.pipeline.profile import profile as profile
-from parallax.pipeline.schedule import Action as Action
-from parallax.pipeline.schedule import Schedule as Schedule
+from parallax.pipeline.planning.partition import METHODS as METHODS
+from parallax.pipeline.planning.partition import Plan as Plan
+from parallax.pipeline.planning.partition import partition as partition
+from parallax.pipeline.planning.profile import LayerProfile as LayerProfile
+from parallax.pipeline.planning.profile import profile as profile
+from parallax.pipeline.runtime.gpipe import gpipe_value_and_grad as gpipe_value_and_grad
+from parallax.pipeline.runtime.checks import POLICIES as POLICIES
+from parallax.pipeline.runtime.checks import REMAT as REMAT
+from parallax.pipeline.runtime.gradients import value_and_grad as value_and_grad
 from parallax.pipeline.schedules import SCHEDULES as SCHEDULES
+from parallax.pipeline.schedules import Action as Action
+from parallax.pipeline.schedules import Placement as Placement
+from parallax.pipeline.schedules import Schedule as Schedule
 from parallax.pipeline.schedules import schedule as schedule
+from parallax.pipeline.producer import WEIGHTS as WEIGHTS
 from parallax.pipeline.stages import Stages as Stages
+from parallax.pipeline.update import update as update
+from parallax.pipeline.versions import double_buffered as double_buffered
 
 __all__ = [
     "METHODS",
     "POLICIES",
     "REMAT",
     "SCHEDULES",
+    "WEIGHTS",
     "Action",
     "LayerProfile",
+    "Placement",
     "Plan",
     "Schedule",
     "Stages",
+    "double_buffered",
     "gpipe_value_and_grad",
     "partition",
     "profile",
     "schedule",
+    "update",
     "value_and_grad",
 ]

@@ -102,7 +102,8 @@ class Program(NamedTuple):
       first: ``first(others, microbatch) -> x``.
       layer: ``layer(leaves, x) -> x``, one layer from its slices of ``stacked``.
       last: ``last(others, x, microbatch) -> loss``.
-      grads: ``grads(d_stacked, d_others) -> a tree shaped like the parameters``.
+      grads: ``grads(d_stacked, d_others) -> a tree shaped like the parameters`` (either
+        may be ``None`` leaves: a tree with only the stacked, or only the other, leaves).
     """
 
     stacked: list
@@ -176,11 +177,11 @@ def program(stages: Stages, params, rebuild: Callable, api: str) -> Program:
             leaves[i] = x
         return rebuild(jax.tree.unflatten(p_def, leaves))
 
-    def grads(d_stacked: list, d_others: list):
+    def grads(d_stacked, d_others):
         leaves: list = [None] * len(p_leaves)
-        for i, g in zip(stacked_at, d_stacked):
+        for i, g in zip(stacked_at, d_stacked or [None] * len(stacked_at)):
             leaves[i] = g
-        for i, g in zip(other_at, d_others):
+        for i, g in zip(other_at, d_others or [None] * len(other_at)):
             leaves[i] = g
         return jax.tree.unflatten(p_def, leaves)
 

@@ -8,11 +8,16 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import parallax as px
+from parallax import context
 from parallax import pipeline as pp
 from parallax.analysis import hlo
-from parallax.pipeline.grad import pipeline_grads
+from parallax.pipeline.runtime import ticks
+from parallax.pipeline.runtime.gradients import pipeline_grads
+from parallax.pipeline.runtime.plan import runtime_plan, widen
+from parallax.pipeline.stages import program
 
 D_IN, D, D_OUT, BATCH = 4, 8, 3, 32
 
@@ -26,6 +31,33 @@ TOY = pp.Stages(
     stage=layer,
     last=lambda p, x, b: jnp.mean((x @ p["w_out"] - b["y"]) ** 2),
     layers=lambda p: p["layers"],
+)
+
+
+class Stack(nnx.Module):
+    def __init__(self, w):  # the stacked layers: split over the stage axis by px.Pipeline
+        self.w = nnx.Param(jnp.asarray(w), out_sharding=("layers", None, None),
+                           eager_sharding=False)
+
+
+class Toy(nnx.Module):
+    """The toy as an NNX model (for px.Pipeline in px.train_step): tanh(x @ w) + x blocks
+    between an input and an output projection."""
+
+    def __init__(self, layers: int = 4, width: int = D):
+        p = toy_params(layers, width)
+        self.w_in = nnx.Param(jnp.asarray(p["w_in"]), out_sharding=(None, "embed"),
+                              eager_sharding=False)
+        self.w_out = nnx.Param(jnp.asarray(p["w_out"]), out_sharding=("embed", None),
+                               eager_sharding=False)
+        self.blocks = Stack(p["layers"])
+
+
+LOSS = pp.Stages(
+    first=lambda m, b: b["x"] @ m.w_in[...],
+    stage=lambda block, x: layer(block.w[...], x),
+    last=lambda m, x, b: jnp.mean((x @ m.w_out[...] - b["y"]) ** 2),
+    layers=lambda m: m.blocks,
 )
 
 
@@ -57,11 +89,12 @@ def reference(layers: int):
 
 
 @functools.cache
-def pipelined(name: str, stages: int, microbatches: int, virtual_stages: int = 1,
-              remat: str = "except_last", split_backward: bool = False, per_chunk: int = 1):
+def pipelined(name: str, stages: int, microbatches: int, virtual_stages: int | None = None,
+              remat: str = "except_last", split_backward: bool | None = None,
+              per_chunk: int = 1):
     """(loss, grads, executed codes, schedule) of the toy model run through the runtime."""
     sched = pp.schedule(name, stages, microbatches, virtual_stages, split_backward)
-    layers = stages * virtual_stages * per_chunk
+    layers = stages * sched.virtual_stages * per_chunk
 
     def run(params, batch):
         return pipeline_grads(TOY, params, lambda p: p, batch, schedule=sched,
@@ -70,6 +103,33 @@ def pipelined(name: str, stages: int, microbatches: int, virtual_stages: int = 1
     with jax.set_mesh(stage_mesh(stages)):
         loss, grads, codes = jax.jit(run)(toy_params(layers), toy_batch())
     return loss, grads, np.asarray(codes), sched
+
+
+@functools.cache
+def family(names: tuple, stages: int, microbatches: int, virtual_stages: int | None = None,
+           remat: str = "except_last", per_chunk: int = 1):
+    """``{name: (loss, grads, executed codes, schedule)}`` for schedules of one shape (same
+    stages, micro-batches, chunks and placement), all run by ONE compiled program: their
+    runtime plans are widened to one shape and each table is passed as an argument."""
+    scheds = [pp.schedule(name, stages, microbatches, virtual_stages) for name in names]
+    plans = widen([runtime_plan(s, remat) for s in scheds])
+    layers = stages * scheds[0].virtual_stages * per_chunk
+
+    def run(params, batch, table):
+        prog = program(TOY, params, lambda q: q, "test")
+        with context.manual(("stage",)):
+            loss, d_stacked, d_others, codes = ticks.execute(
+                prog, scheds[0], batch, axis="stage", remat=remat, policy=None, api="test",
+                trace=True, plan=plans[0], table=table)
+        return loss, prog.grads(d_stacked, d_others), codes
+
+    with jax.set_mesh(stage_mesh(stages)):
+        step = jax.jit(run).lower(toy_params(layers), toy_batch(), plans[0].table()).compile()
+        out = {}
+        for name, sched, plan in zip(names, scheds, plans):
+            loss, grads, codes = step(toy_params(layers), toy_batch(), plan.table())
+            out[name] = (loss, grads, np.asarray(codes), sched)
+    return out
 
 
 def compiled(fn, stages: int, *args):
@@ -84,7 +144,7 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_co
 def switch_dots(compiled_program) -> list[list[int]]:
     """For each ``conditional`` with 4 branches (the runtime's switch: idle, F, B, W), the
     number of ``dot`` instructions reachable from each branch."""
-    blocks = hlo._computations(compiled_program.as_text())
+    blocks = hlo.computations(compiled_program.as_text())
 
     def callees(name):
         for line in blocks.get(name, ()):

@@ -1,29 +1,9 @@
-"""A pipeline schedule as data: a table of ticks x stages, each cell one action or idle.
+"""The :class:`Schedule`: a validated table of ticks x stages, costed before anything runs.
 
-(A little over 300 lines: the tick model below is the runtime's contract, kept beside the
-table it governs.)
-
-The tick model (an SPMD lock-step runtime, see ``docs/pipeline.md``):
-
-* All stages advance through ticks together. In a tick every stage runs at most one action
-  (or idles), then every stage exchanges activations and gradients with its neighbours
-  (``ppermute``). A tick therefore lasts as long as its slowest action, on every stage.
-* An action is ``F`` (forward), ``B`` (input-gradient backward: the gradient the previous
-  stage waits for) or ``W`` (weight-gradient backward) of one micro-batch on one model chunk.
-  Every backward is two actions, ``B`` then ``W``: an SPMD runtime can spend two ticks on a
-  backward only by computing a different part of it in each, and these two parts are the
-  ones that matter (``B`` is on the critical path, ``W`` is not).
-* ``split_backward=False`` schedules the two halves as one unit, as the published schedules
-  do: ``W`` runs in the tick right after its ``B``, and the previous stage starts its
-  backward only after that ``W``. With costs ``f = 1`` and ``b = 2`` (so ``B`` and ``W``
-  cost 1 each) every tick costs 1, and GPipe, 1F1B and interleaved 1F1B have exactly their
-  classic bubble fractions. ``split_backward=True`` lets the previous stage start after
-  ``B`` (zero-bubble style), which shortens the critical path.
-* A value sent at the end of tick ``t`` is usable from tick ``t + 1``.
-
-:func:`parallax.pipeline.schedule` builds the named schedules; :meth:`Schedule.from_orders`
-and :meth:`Schedule.from_table` build custom ones. Every :class:`Schedule` is validated when
-it is created.
+The tick model it obeys is the package's (:mod:`parallax.pipeline.schedules`): stages
+advance in lock-step, a tick costs its slowest action, a value sent at tick ``t`` is usable
+from ``t + 1``, every backward is a ``B`` then a ``W``. (A little over 300 lines: one class,
+whose construction, queries and costs are documented where they are defined.)
 """
 
 from __future__ import annotations
@@ -32,33 +12,32 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from parallax.pipeline import buffers, dependencies
-from parallax.pipeline import plot as _plot
-from parallax.pipeline.action import KIND_CODES as KIND_CODES
-from parallax.pipeline.action import KINDS as KINDS
-from parallax.pipeline.action import Action as Action
-from parallax.pipeline.action import costs as _costs
-from parallax.pipeline.action import parse_cell as _action
-from parallax.pipeline.action import parse_order as _parse_order
-from parallax.pipeline.action import sizes as _sizes
+from parallax.pipeline.schedules import charts, rules, slots
+from parallax.pipeline.schedules.action import Action
+from parallax.pipeline.schedules.action import costs as _costs
+from parallax.pipeline.schedules.action import parse_cell as _action
+from parallax.pipeline.schedules.action import parse_order as _parse_order
+from parallax.pipeline.schedules.action import sizes as _sizes
+from parallax.pipeline.schedules.placement import Placement
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Schedule:
     """A validated pipeline schedule: ``table[tick][stage]`` is an :class:`Action` or ``None``.
 
-    Stage ``s`` runs model chunks ``0 .. virtual_stages - 1``; chunk ``c`` on stage ``s`` is
-    virtual stage ``c * stages + s`` (so the stage after chunk ``c`` of the last stage is
-    chunk ``c + 1`` of stage 0, as in Megatron's interleaved schedule).
+    Stage ``s`` runs model chunks ``0 .. virtual_stages - 1``; ``placement`` says which
+    virtual stage each chunk is (looped by default: chunk ``c`` of stage ``s`` is virtual
+    stage ``c * stages + s``, as in Megatron's interleaved schedule; or V-shaped).
 
     Args:
       name: a label (``"1f1b"``, ``"custom"``).
       stages: number of pipeline stages (devices along the stage axis).
       microbatches: micro-batches per step.
-      virtual_stages: model chunks per stage (> 1 for interleaved schedules).
-      split_backward: whether ``B`` and ``W`` are scheduled independently (see the module
-        docstring); ``False`` pins each ``W`` right after its ``B``.
+      virtual_stages: model chunks per stage (> 1 for interleaved and V schedules).
+      split_backward: whether ``B`` and ``W`` are scheduled independently; ``False`` pins
+        each ``W`` right after its ``B`` and makes the previous stage wait for that ``W``.
       table: one row per tick, one cell per stage.
+      placement: a :class:`Placement` (default: looped).
 
     Raises:
       ValueError: if the table breaks a rule (see :meth:`validate`).
@@ -74,8 +53,8 @@ class Schedule:
     References:
       Huang et al. 2019, GPipe; Narayanan et al. 2021, Memory-Efficient Pipeline-Parallel
       DNN Training (PipeDream-flush); Narayanan et al. 2021 (SC), Efficient Large-Scale
-      Language Model Training on GPU Clusters (interleaved 1F1B); Qi et al. 2023, Zero
-      Bubble Pipeline Parallelism (B/W split).
+      Language Model Training on GPU Clusters (interleaved 1F1B); Qi et al. 2024, Zero
+      Bubble Pipeline Parallelism (B/W split, ZB-V).
     """
 
     name: str
@@ -84,10 +63,20 @@ class Schedule:
     virtual_stages: int
     split_backward: bool
     table: tuple[tuple[Action | None, ...], ...]
+    placement: Placement | None = None
 
     def __post_init__(self):
         table = tuple(tuple(_action(cell) for cell in row) for row in self.table)
         object.__setattr__(self, "table", table)
+        placement = self.placement
+        if placement is None or isinstance(placement, str):
+            placement = _placement(placement or "looped", self.stages, self.virtual_stages)
+        if (placement.stages, placement.chunks) != (self.stages, self.virtual_stages):
+            raise ValueError(
+                f"schedule: the placement holds {placement.chunks} chunks on "
+                f"{placement.stages} stages, the schedule {self.virtual_stages} on {self.stages}"
+            )
+        object.__setattr__(self, "placement", placement)
         self.validate()
 
     # -- construction -------------------------------------------------------------------
@@ -100,19 +89,20 @@ class Schedule:
         split_backward: bool = False,
         microbatches: int | None = None,
         virtual_stages: int | None = None,
+        placement: Placement | str = "looped",
         name: str = "custom",
     ) -> Schedule:
         """Builds a schedule from each stage's order of actions, run as early as allowed.
 
         Each stage runs its actions in the given order; each action runs at the first tick
-        at which its dependencies are met (one tick after the neighbour's action that it
-        needs). ``W`` actions may be left out of an order: each ``W`` then runs right after
-        its ``B``.
+        at which its dependencies are met (one tick after the action that it needs). ``W``
+        actions may be left out of an order: each ``W`` then runs right after its ``B``.
 
         Args:
           orders: one entry per stage, a string ``"F0 F1 B0 B1"`` or a list of actions.
           split_backward: see :class:`Schedule`.
           microbatches, virtual_stages: default to the largest ones named, plus one.
+          placement: ``"looped"``, ``"v"`` or a :class:`Placement`.
           name: a label.
 
         Returns:
@@ -125,11 +115,17 @@ class Schedule:
           >>> s = Schedule.from_orders(["F0 F1 B0 B1", "F0 B0 F1 B1"])
           >>> s.ticks
           9
+          >>> v = Schedule.from_orders(["F0.0 F0.1 B0.1 B0.0"] * 2, placement="v",
+          ...                          split_backward=True)   # 0 -> 1 -> turn -> back to 0
+          >>> v.order(1), v.ticks
+          (['F0.0', 'F0.1', 'B0.1', 'W0.1', 'B0.0', 'W0.0'], 10)
         """
         parsed = [_parse_order(order, s) for s, order in enumerate(orders)]
         microbatches, virtual_stages = _sizes(parsed, microbatches, virtual_stages)
-        table = dependencies.place(parsed, microbatches, virtual_stages, split_backward)
-        return cls(name, len(parsed), microbatches, virtual_stages, split_backward, table)
+        placement = _placement(placement, len(parsed), virtual_stages)
+        table = rules.place(parsed, microbatches, placement, split_backward)
+        return cls(name, len(parsed), microbatches, virtual_stages, split_backward, table,
+                   placement)
 
     @classmethod
     def from_table(
@@ -139,6 +135,7 @@ class Schedule:
         split_backward: bool = False,
         microbatches: int | None = None,
         virtual_stages: int | None = None,
+        placement: Placement | str = "looped",
         name: str = "custom",
     ) -> Schedule:
         """Builds a schedule from an explicit table, drawn as :meth:`text` draws it.
@@ -146,7 +143,8 @@ class Schedule:
         Args:
           rows: one row per stage, one cell per tick: a string ``"F0 F1 .  B0 W0"`` (``.``
             is idle) or a list of cells. Short rows are padded with idle ticks.
-          split_backward, microbatches, virtual_stages, name: as for :meth:`from_orders`.
+          split_backward, microbatches, virtual_stages, placement, name: as for
+            :meth:`from_orders`.
 
         Returns:
           The :class:`Schedule`.
@@ -165,7 +163,9 @@ class Schedule:
         table = [[row[t] if t < len(row) else None for row in cells] for t in range(ticks)]
         actions = [[a for a in row if a is not None] for row in cells]
         microbatches, virtual_stages = _sizes(actions, microbatches, virtual_stages)
-        return cls(name, len(cells), microbatches, virtual_stages, split_backward, table)
+        placement = _placement(placement, len(cells), virtual_stages)
+        return cls(name, len(cells), microbatches, virtual_stages, split_backward, table,
+                   placement)
 
     def validate(self) -> None:
         """Checks the table; raises ``ValueError`` naming the action and the rule it breaks.
@@ -177,7 +177,7 @@ class Schedule:
         when not split); values sent at tick ``t`` arrive at ``t + 1``. A cell holds at most
         one action, so a stage runs at most one action per tick.
         """
-        dependencies.check(self)
+        rules.check(self)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ class Schedule:
         }
 
     def label(self, action: Action) -> str:
-        """An action's string form in this schedule (the chunk is shown when interleaved)."""
+        """An action's string form in this schedule (the chunk is shown when there are several)."""
         return action.label(self.virtual_stages > 1)
 
     def actions(self, stage: int) -> list[Action]:
@@ -220,12 +220,16 @@ class Schedule:
         Returns:
           ``sum_t max_s cost(table[t][s])``, idle cells costing 0.
         """
-        cost = _costs(f, b, w)
-        return sum(
-            max((cost[a.kind] for a in row if a is not None), default=0) for row in self.table
-        )
+        return sum(self.tick_costs(f, b, w))
 
-    def bubble_fraction(self, f: float = 1, b: float = 2, w: float | None = None) -> float:
+    def tick_costs(self, f: float = 1, b: float = 2, w: float | None = None) -> list[float]:
+        """Each tick's cost: its slowest action's (0 for a tick where every stage idles)."""
+        cost = _costs(f, b, w)
+        return [max((cost[a.kind] for a in row if a is not None), default=0)
+                for row in self.table]
+
+    def bubble_fraction(self, f: float = 1, b: float = 2, w: float | None = None, *,
+                        overlap_steps: bool = False) -> float:
         """The fraction of stage-time spent idle or waiting when the table runs in lock-step.
 
         With ``T = time(f, b, w)`` (the sum over ticks of each tick's slowest action) and
@@ -238,72 +242,88 @@ class Schedule:
 
         With ``f = 1, b = 2`` (``B = W = 1``): GPipe and 1F1B give ``(p - 1) / (m + p - 1)``
         and interleaved 1F1B ``(p - 1) / (v m + p - 1)`` when the backward is not split,
-        and ``2 (p - 1) / (3 m + 2 (p - 1))`` (``v m`` for ``m`` when interleaved) when it is.
+        and ``2 (p - 1) / (3 m + 2 (p - 1))`` (``v m`` for ``m`` when interleaved) when it is;
+        ZB-H1 and ZB-H2 reach ``(p - 1) / (3 m + p - 1)``, the least any synchronous step
+        pays (the last stage cannot start before tick ``p - 1``).
 
         Args:
           f, b, w: costs per action (per chunk, for interleaved schedules), as for :meth:`time`.
+          overlap_steps: count each stage only from its own first action to its last, as if
+            the next step's work filled the rest. This is the zero-bubble paper's measure,
+            which its post-validated optimizer step makes real; parallax's steps are
+            synchronous (each step ends with the optimizer update), so the default is what
+            the runtime pays. ZB-H2 and ZB-V are at 0 by this measure once ``m >= 2p``.
 
         Returns:
           A float in ``[0, 1)``.
         """
         useful = self.virtual_stages * self.microbatches * (f + b)
-        return 1 - useful / self.time(f, b, w)
+        if not overlap_steps:
+            return 1 - useful / self.time(f, b, w)
+        tick_cost = self.tick_costs(f, b, w)
+        spans = []
+        for s in range(self.stages):
+            busy = [t for t, row in enumerate(self.table) if row[s] is not None]
+            spans.append(sum(tick_cost[busy[0]: busy[-1] + 1]) if busy else 0.0)
+        return 1 - useful / max(spans)
 
-    def peak_in_flight(self, stage: int) -> int:
-        """Most micro-batch chunks whose residuals ``stage`` holds at once (``F`` run, ``W`` not).
+    def peak_in_flight(self, stage: int, until: str = "W") -> int:
+        """Most micro-batch chunks whose activations ``stage`` holds at once.
+
+        Args:
+          stage: the stage.
+          until: ``"W"`` (default): a micro-batch is held from its ``F`` until its ``W``
+            (what the runtime's residual stash holds); ``"B"``: until its ``B`` (the full
+            activations, the zero-bubble paper's ``M_B``; after ``B`` only what ``W`` needs
+            is left).
 
         1F1B holds ``min(stages - stage, microbatches)``; GPipe holds ``microbatches``.
         """
+        if until not in ("B", "W"):
+            raise ValueError(f"schedule: until must be 'B' or 'W', got {until!r}")
         held = peak = 0
         for action in self.actions(stage):
             if action.kind == "F":
                 held += 1
                 peak = max(peak, held)
-            elif action.kind == "W":
+            elif action.kind == until:
                 held -= 1
         return peak
 
-    def as_arrays(self) -> buffers.ScheduleArrays:
+    def as_arrays(self) -> slots.ScheduleArrays:
         """The table and its buffer plan as int32 arrays ``[ticks, stages]``, for a runtime.
 
         Returns:
-          A :class:`parallax.pipeline.buffers.ScheduleArrays`.
+          A :class:`parallax.pipeline.schedules.slots.ScheduleArrays`.
         """
-        return buffers.schedule_arrays(self)
+        return slots.schedule_arrays(self)
 
     def text(self, f: float = 1, b: float = 2, w: float | None = None) -> str:
         """An ASCII Gantt chart: one row per stage, one column per tick (``.`` is idle)."""
-        labels = [[self.label(a) if a is not None else "." for a in row] for row in self.table]
-        width = max([len(x) for row in labels for x in row] + [len(str(max(self.ticks - 1, 0)))])
-        chunks = f", {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else ""
-        head = (
-            f"{self.name}: {self.stages} stages, {self.microbatches} micro-batches{chunks}, "
-            f"{'split' if self.split_backward else 'fused'} backward; {self.ticks} ticks, "
-            f"bubble {100 * self.bubble_fraction(f, b, w):.1f}% "
-            f"(f={f}, b={b}, w={b / 2 if w is None else w})"
-        )
-        name_width = len(f"stage {self.stages - 1}") + 1
-        lines = [
-            head,
-            "tick".ljust(name_width) + " ".join(str(t).ljust(width) for t in range(self.ticks)),
-        ]
-        for s in range(self.stages):
-            cells = " ".join(labels[t][s].ljust(width) for t in range(self.ticks))
-            lines.append(f"stage {s}".ljust(name_width) + cells)
-        lines.append("F forward, B input-gradient backward, W weight-gradient backward, . idle")
-        return "\n".join(line.rstrip() for line in lines)
+        return charts.text(self, f=f, b=b, w=w)
 
     def plot(self, path=None, *, f: float = 1, b: float = 2, w: float | None = None):
-        """A Gantt chart in time units (needs matplotlib): :func:`parallax.pipeline.plot.plot`."""
-        return _plot.plot(self, path, f=f, b=b, w=w)
+        """A Gantt chart in time units (needs matplotlib): :func:`charts.plot`."""
+        return charts.plot(self, path, f=f, b=b, w=w)
 
     def _check_stage(self, stage: int) -> None:
         if not 0 <= stage < self.stages:
             raise ValueError(f"schedule: stage {stage} is out of range for {self.stages} stages")
 
     def __repr__(self) -> str:
+        where = "" if self.placement.name == "looped" else f", placement={self.placement.name!r}"
         return (
             f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
-            f"virtual_stages={self.virtual_stages}, split_backward={self.split_backward}, "
-            f"ticks={self.ticks})"
+            f"virtual_stages={self.virtual_stages}, split_backward={self.split_backward}"
+            f"{where}, ticks={self.ticks})"
         )
+
+
+def _placement(placement, stages: int, chunks: int) -> Placement:
+    if isinstance(placement, Placement):
+        return placement
+    if isinstance(placement, str):
+        return Placement.named(placement, stages, chunks)
+    raise TypeError(
+        f"schedule: placement must be 'looped', 'v' or a Placement, got {placement!r}"
+    )

@@ -9,7 +9,7 @@ import pytest
 from parallax import pipeline as pp
 from parallax.strategies.pipeline import Pipeline
 
-from .runtime_testing import TOY, stage_mesh, toy_batch, toy_params
+from ..runtime_testing import TOY, stage_mesh, toy_batch, toy_params
 
 API = "px.pipeline.value_and_grad"
 
@@ -25,7 +25,9 @@ def run(layers=4, stages=4, **kwargs):
 TRACED = [  # (kwargs of run, error, message)
     (dict(layers=6), ValueError,
      f"{API}: the model's 6 stacked layers do not split into stages=4 (mesh axis 'stage') x "
-     "virtual_stages=1 = 4 equal chunks; use a multiple of 4 layers (e.g. 4 or 8)"),
+     "virtual_stages=1 = 4 equal chunks; use a multiple of 4 layers (e.g. 4 or 8), stages and "
+     "virtual_stages whose product divides 6, or balance= to give each stage its own number of "
+     "layers"),
     (dict(layers=8, schedule="interleaved_1f1b", virtual_stages=2, microbatches=4, stages=2,
           loss=pp.Stages(TOY.first, TOY.stage, TOY.last, TOY.layers)), None, None),
     (dict(layers=12, stages=2, schedule="interleaved_1f1b", virtual_stages=4), ValueError,
@@ -72,9 +74,11 @@ EAGER = [  # (factory, error, message)
      f"{API}: remat='sometimes' is not a rematerialisation option; use one of 'always', "
      "'except_last', 'never'"),
     (lambda: pp.value_and_grad(TOY, "1f1b", microbatches=4, virtual_stages=2), ValueError,
-     f"{API}: schedule='1f1b' with virtual_stages=2; use schedule='interleaved_1f1b'"),
+     f"{API}: virtual_stages=2 needs 'interleaved_1f1b', 'interleaved_zb', 'zbv' or "
+     "'dualpipev'; '1f1b' runs one model chunk per stage"),
     (lambda: pp.value_and_grad(TOY, "interleaved_1f1b", microbatches=4), ValueError,
-     "schedule='interleaved_1f1b' with virtual_stages=1; use virtual_stages >= 2"),
+     f"{API}: 'interleaved_1f1b' needs virtual_stages >= 2 model chunks per stage, got 1; "
+     "with one chunk per stage use '1f1b'"),
     (lambda: pp.value_and_grad(lambda p, b: 0.0, "1f1b", microbatches=4), TypeError,
      f"{API}: the loss must be a px.pipeline.Stages, got function"),
     (lambda: pp.value_and_grad(TOY, "1f1b"), TypeError, f"{API}: pass microbatches="),

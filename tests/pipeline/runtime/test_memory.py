@@ -8,7 +8,7 @@ import numpy as np
 from parallax import pipeline as pp
 from parallax.analysis import hlo
 
-from .runtime_testing import TOY, compiled, layer
+from ..runtime_testing import TOY, compiled, layer
 
 WIDTH, MICRO, STAGES = 256, 32, 4  # buffers dominate: a micro-batch's activation is 32 KB
 

@@ -2,14 +2,15 @@
 
 :func:`requirements` says which actions must run before an action; :func:`check` validates
 a table against the rules and :func:`place` builds a table from per-stage orders, running
-every action at the first tick the rules allow. Chunk ``c`` of stage ``s`` is virtual stage
-``c * stages + s``; activations flow up the virtual stages, gradients down.
+every action at the first tick the rules allow. The schedule's
+:class:`~parallax.pipeline.schedules.placement.Placement` says which virtual stage each
+(stage, chunk) runs; activations flow up the virtual stages, gradients down.
 """
 
 from __future__ import annotations
 
-
-from parallax.pipeline.action import KINDS, Action
+from parallax.pipeline.schedules.action import KINDS, Action
+from parallax.pipeline.schedules.placement import Placement
 
 
 _FORWARD = (
@@ -21,25 +22,23 @@ _RESIDUALS = "a backward needs its own forward's residuals"
 _WEIGHT = "a weight gradient needs the output gradient that its B received"
 
 
-def requirements(
-    action: Action, stage: int, stages: int, virtual_stages: int, split_backward: bool
-):
+def requirements(action: Action, stage: int, placement: Placement, split_backward: bool):
     """The ``(action, stage, reason)`` triples that must run at earlier ticks than ``action``."""
     kind, m, c = action
-    virtual = c * stages + stage
+    virtual = placement.virtual_stage(stage, c)
     if kind == "F":
         if virtual == 0:
             return []
-        prev = virtual - 1
-        return [(Action("F", m, prev // stages), prev % stages, _FORWARD)]
+        s, chunk = placement.location(virtual - 1)
+        return [(Action("F", m, chunk), s, _FORWARD)]
     if kind == "B":
         needs = [(Action("F", m, c), stage, _RESIDUALS)]
-        if virtual < stages * virtual_stages - 1:
-            nxt = virtual + 1
+        if virtual < placement.count - 1:
+            s, chunk = placement.location(virtual + 1)
             if split_backward:
-                needs.append((Action("B", m, nxt // stages), nxt % stages, _BACKWARD))
+                needs.append((Action("B", m, chunk), s, _BACKWARD))
             else:
-                needs.append((Action("W", m, nxt // stages), nxt % stages, _BACKWARD + _FUSED))
+                needs.append((Action("W", m, chunk), s, _BACKWARD + _FUSED))
         return needs
     return [(Action("B", m, c), stage, _WEIGHT)]
 
@@ -79,7 +78,7 @@ def check(schedule) -> None:
             if a is None:
                 continue
             for need, ns, reason in requirements(
-                a, s, stages, schedule.virtual_stages, schedule.split_backward
+                a, s, schedule.placement, schedule.split_backward
             ):
                 u = tick[(need, ns)]
                 if u >= t:
@@ -128,15 +127,20 @@ class _Sizes:
         return action.label(self.virtual_stages > 1)
 
 
-def place(orders: list[list[Action]], microbatches: int, virtual_stages: int, split_backward: bool):
+def place(orders: list[list[Action]], microbatches: int, placement: Placement,
+          split_backward: bool):
     """Runs each stage's order, every action at its earliest tick; returns the table.
 
     Raises:
       ValueError: if an order misses or repeats an action, or the orders deadlock.
     """
-    stages = len(orders)
+    stages, virtual_stages = len(orders), placement.chunks
     if stages < 1:
         raise ValueError("schedule: orders must list at least one stage")
+    if stages != placement.stages:
+        raise ValueError(
+            f"schedule: {stages} orders for a placement of {placement.stages} stages"
+        )
     sizes = _Sizes(stages, microbatches, virtual_stages)
     seen: dict = {}
     for s, order in enumerate(orders):
@@ -155,7 +159,7 @@ def place(orders: list[list[Action]], microbatches: int, virtual_stages: int, sp
             if position[s] == len(order):
                 continue
             a = order[position[s]]
-            needs = requirements(a, s, stages, virtual_stages, split_backward)
+            needs = requirements(a, s, placement, split_backward)
             missing = [(n, ns) for n, ns, _ in needs if done.get((n, ns), t) >= t]
             if missing:
                 blocked.append(

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from parallax.pipeline import LayerProfile, partition, profile
-from parallax.pipeline.profile import _flops
+from parallax.pipeline.planning.profile import _flops
 
 B, D_IN, D_HID, D_OUT = 8, 16, 32, 4
 
@@ -97,5 +97,5 @@ def test_records_are_plain_values():
 
 
 def test_docstring_example_runs():
-    result = doctest.testmod(importlib.import_module("parallax.pipeline.profile"))
+    result = doctest.testmod(importlib.import_module("parallax.pipeline.planning.profile"))
     assert result.failed == 0 and result.attempted > 0

@@ -5,7 +5,7 @@ next micro-batch's ``first``), the last stage adds a micro-batch's loss, and the
 one stage forward with a ``ppermute``. ``jax.value_and_grad`` of that loop is the backward:
 the transposed ``ppermute`` carries gradients back, and autodiff keeps every tick's residuals
 (GPipe's memory, ``M`` micro-batches in flight) unless the stage is rematerialised. This is
-the pipeline MaxText and praxis run; the table runtime (:mod:`parallax.pipeline.runtime`)
+the pipeline MaxText and praxis run; the table runtime (:mod:`parallax.pipeline.runtime.ticks`)
 must agree with it on ``"gpipe"``, and does (tested).
 
 Unlike the table runtime, the bubble ticks compute on placeholder inputs (their results are
@@ -22,10 +22,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from parallax import context
-from parallax.pipeline import runtime
 from parallax.grad import split_target
 from parallax.microbatch import check_microbatches
-from parallax.pipeline.grad import check_count, check_remat
+from parallax.pipeline.runtime import ticks
+from parallax.pipeline.runtime.checks import check_count, check_remat
+from parallax.pipeline.runtime.layer_moves import check_layers
 from parallax.pipeline.stages import Stages, program
 from parallax.vma import varying_axes
 
@@ -79,15 +80,15 @@ def gpipe_value_and_grad(stages: Stages, *, microbatches: int, axis: str = "stag
 
 
 def _gpipe(stages, params, rebuild, batch, M: int, axis: str, *, remat: bool, policy):
-    S = runtime.stage_count(axis, None, API)
+    S = ticks.stage_count(axis, None, API)
     check_microbatches(batch, M, API)
     prog = program(stages, params, rebuild, API)
     L = prog.stacked[0].shape[0]
-    runtime.check_layers(L, S, 1, API, axis)
+    check_layers(L, S, 1, API, axis)
     micro = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
     outer = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(
         (prog.stacked, prog.others, batch))))
-    vary = runtime.caster(outer | {axis})
+    vary = ticks.caster(outer | {axis})
 
     def chunk(params, x):
         return lax.scan(lambda x, p: (prog.layer(p, x), None), x, params)[0]

@@ -176,5 +176,5 @@ def test_from_boundaries_checks_them():
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(importlib.import_module("parallax.pipeline.partition"))
+    result = doctest.testmod(importlib.import_module("parallax.pipeline.planning.partition"))
     assert result.failed == 0 and result.attempted > 0

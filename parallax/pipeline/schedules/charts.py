@@ -1,10 +1,49 @@
-"""Gantt charts of pipeline schedules (matplotlib, an optional dependency)."""
+"""Gantt charts of pipeline schedules: ASCII (:func:`text`) and matplotlib (:func:`plot`)."""
 
 from __future__ import annotations
 
-from parallax.pipeline.action import costs
+from parallax.pipeline.schedules.action import costs
 
 COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
+LEGEND = "F forward, B input-gradient backward, W weight-gradient backward, . idle"
+
+
+def text(schedule, *, f: float = 1, b: float = 2, w: float | None = None) -> str:
+    """An ASCII Gantt chart: one row per stage, one column per tick (``.`` is idle).
+
+    The first line names the schedule, its sizes, its placement when it is not looped and
+    its bubble under the costs; the last is the legend.
+
+    Example:
+      >>> from parallax.pipeline import schedule
+      >>> print(text(schedule("1f1b", 2, 1)))
+      1f1b: 2 stages, 1 micro-batches, fused backward; 6 ticks, bubble 50.0% (f=1, b=2, w=1.0)
+      tick    0  1  2  3  4  5
+      stage 0 F0 .  .  .  B0 W0
+      stage 1 .  F0 B0 W0 .  .
+      F forward, B input-gradient backward, W weight-gradient backward, . idle
+    """
+    labels = [[schedule.label(a) if a is not None else "." for a in row]
+              for row in schedule.table]
+    width = max([len(x) for row in labels for x in row]
+                + [len(str(max(schedule.ticks - 1, 0)))])
+    chunks = (f", {schedule.virtual_stages} chunks per stage"
+              if schedule.virtual_stages > 1 else "")
+    head = (
+        f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches"
+        f"{chunks}{schedule.placement.label()}, "
+        f"{'split' if schedule.split_backward else 'fused'} backward; {schedule.ticks} ticks, "
+        f"bubble {100 * schedule.bubble_fraction(f, b, w):.1f}% "
+        f"(f={f}, b={b}, w={b / 2 if w is None else w})"
+    )
+    name_width = len(f"stage {schedule.stages - 1}") + 1
+    lines = [head, "tick".ljust(name_width)
+             + " ".join(str(t).ljust(width) for t in range(schedule.ticks))]
+    for s in range(schedule.stages):
+        cells = " ".join(labels[t][s].ljust(width) for t in range(schedule.ticks))
+        lines.append(f"stage {s}".ljust(name_width) + cells)
+    lines.append(LEGEND)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def plot(
@@ -15,7 +54,8 @@ def plot(
     Each tick is as wide as its slowest action under the costs ``f``, ``b``, ``w`` (see
     :meth:`Schedule.time`); each action is as wide as its own cost, so the white space is
     the bubble a lock-step runtime pays, including waiting for a slower action in a tick.
-    Later chunks of interleaved schedules are drawn lighter.
+    Later virtual stages are drawn lighter (so a V-shaped schedule shows its second chunk,
+    the way back up, lighter), and the title names a placement that is not looped.
 
     Args:
       schedule: the :class:`Schedule`.
@@ -55,7 +95,9 @@ def plot(
         for s, a in enumerate(row):
             if a is None:
                 continue
-            shade = 1.0 - 0.45 * a.chunk / max(schedule.virtual_stages - 1, 1)
+            virtual = schedule.placement.virtual_stage(s, a.chunk)
+            shade = 1.0 - 0.45 * (virtual // schedule.stages) / max(
+                schedule.virtual_stages - 1, 1)
             ax.broken_barh(
                 [(start, cost[a.kind])],
                 (s - 0.4, 0.8),
@@ -79,8 +121,8 @@ def plot(
     ax.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
     ax.set_xlabel(f"time (f={f}, b={b}, w={b / 2 if w is None else w})")
     ax.set_title(
-        f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches, "
-        f"bubble {100 * schedule.bubble_fraction(f, b, w):.1f}%"
+        f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches"
+        f"{schedule.placement.label()}, bubble {100 * schedule.bubble_fraction(f, b, w):.1f}%"
     )
     names = {"F": "forward", "B": "input-gradient backward", "W": "weight-gradient backward"}
     ax.legend(

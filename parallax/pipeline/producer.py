@@ -1,0 +1,84 @@
+"""What ``px.Pipeline`` puts in a strategy: its settings, as the gradient producer itself.
+
+``Strategy.grad_fn`` is called as ``grad_fn(request, params, batch)`` by
+``px.value_and_grad``. :class:`PipelineProducer` is that callable and, being a frozen
+dataclass, also the pipeline's settings, which ``px.pipeline.update`` reads back from the
+strategy in context (equal settings compare equal, so equal strategies still compose).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from parallax import context
+from parallax.pipeline.runtime.gradients import pipeline_grads
+from parallax.pipeline.stages import Stages
+
+API = "px.Pipeline"
+WEIGHTS = ("flush", "stashed", "2bw")
+# What px.pipeline.update passes as the loss's extra argument: px.value_and_grad called by
+# it, not by the user (who, with asynchronous weights, must call px.pipeline.update).
+FROM_UPDATE = ("px.pipeline.update",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineProducer:
+    """The pipeline's settings and its ``Strategy.grad_fn``.
+
+    Attributes are those of :func:`parallax.strategies.pipeline.Pipeline`, checked there;
+    ``virtual_stages`` is resolved (the schedule's default when none was given).
+    """
+
+    axis: str
+    microbatches: int
+    schedule: Any
+    virtual_stages: int
+    remat: Any
+    split_backward: bool | None
+    balance: tuple[int, ...] | None
+    weights: str
+
+    def __call__(self, request, params, batch):
+        stages = request.loss_fn
+        if not isinstance(stages, Stages):
+            name = getattr(stages, "__name__", type(stages).__name__)
+            raise TypeError(
+                f"{API}: the loss given to px.value_and_grad must be a "
+                f"px.pipeline.Stages(first, stage, last, layers), so the pipeline can place "
+                f"its pieces on the stages; got {name}. For the GPT use "
+                "parallax.models.gpt_pipeline.next_token_stages."
+            )
+        check_style()
+        if self.weights != "flush" and request.args != FROM_UPDATE:
+            raise ValueError(
+                f"{API}(weights={self.weights!r}): the weights are not one version per step, "
+                "so px.value_and_grad + state.apply_gradients cannot express the step; write "
+                "it as `state, loss = px.pipeline.update(loss_fn, state, batch)`"
+            )
+        if request.has_aux or (request.args and request.args != FROM_UPDATE):
+            raise ValueError(
+                f"{API}: a pipelined loss takes (model, batch) and returns the loss only; "
+                f"got has_aux={request.has_aux} and {len(request.args)} extra arguments"
+            )
+        loss, grads = pipeline_grads(
+            stages, params, request.rebuild, batch, schedule=self.schedule,
+            microbatches=self.microbatches, virtual_stages=self.virtual_stages,
+            split_backward=self.split_backward, axis=self.axis, remat=self.remat,
+            balance=self.balance, api=API)
+        return (loss, None), grads
+
+
+def check_style() -> None:
+    """The batch axes must be manual here (explicit style), not left to GSPMD."""
+    ctx = context.current()
+    if ctx is None:
+        return
+    auto = [a for a in ctx.strategy.batch_axes if a in ctx.mesh.shape and a not in ctx.manual_axes]
+    if auto:
+        raise ValueError(
+            f"{API}: the batch axes {tuple(auto)} of {ctx.strategy.name} are left to GSPMD "
+            "(style='gspmd'), which then splits the batch inside the pipeline's per-stage "
+            "branches and places collectives there (measured: they deadlock on CPU); compose "
+            "the pipeline with data-parallel strategies in the default style='explicit'"
+        )

@@ -1,0 +1,200 @@
+"""One model chunk (a stage's run of layers) as the runtime's three actions, ``F``, ``B``, ``W``.
+
+Each layer is split by :mod:`parallax.pipeline.runtime.split`: ``F`` runs it with a zero
+perturbation at every use of a parameter and keeps, per layer, the residuals of its ``vjp``
+with respect to the input and the perturbations, plus the activation operands of the uses;
+``B`` pulls the output gradient back through the layers (last to first) and keeps, per layer,
+the gradient at every use; ``W`` turns those into each layer's weight gradient, layer by layer
+and independently. ``F + B + W`` computes what one ``jax.vjp`` does, once.
+
+The closure's structure comes from one template trace on *varying* dummy inputs (with
+invariant dummies the rebuilt closure's cotangent types differ between switch branches).
+Residual leaves that are the layer's own parameters are not stashed: they are taken from the
+parameters again when the closure is rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from parallax.pipeline.runtime.split import Split, split
+
+
+class Template(NamedTuple):
+    """The structure of one layer's ``F``: its closure and what it stashes."""
+
+    split: Split
+    treedef: object  # of the vjp closure
+    param_at: dict  # closure leaf position -> index of the layer parameter it is
+    zero_at: dict  # closure leaf position -> index of the (zero) perturbation it is
+    residuals: list  # ShapeDtypeStruct of every other closure leaf
+    operands: list  # ShapeDtypeStruct of the uses' activation operands (for W)
+    uses: list  # ShapeDtypeStruct of the gradient at each use (B -> W)
+    same_as: dict  # position in residuals + operands -> earlier position holding that value
+
+    @property
+    def stashed(self) -> list:
+        """What ``F`` keeps per layer: the closure's residuals, then the uses' operands, each
+        value once (an operand that is also a residual, e.g. the input under a checkpoint
+        policy, is kept once)."""
+        return [a for i, a in enumerate(self.residuals + self.operands) if i not in self.same_as]
+
+    def unstash(self, kept: list) -> list:
+        """The residuals and operands from what ``F`` kept (duplicates restored)."""
+        kept, out = iter(kept), []
+        for i in range(len(self.residuals) + len(self.operands)):
+            out.append(out[self.same_as[i]] if i in self.same_as else next(kept))
+        return out
+
+
+def _duplicates(values: list) -> dict:
+    first: dict = {}
+    return {i: first.setdefault(id(v), i) for i, v in enumerate(values)
+            if first.setdefault(id(v), i) != i}
+
+
+def template(layer: Callable, param_like: list, x_like, vary: Callable, policy,
+             api: str) -> Template:
+    """Splits ``layer`` and traces ``F`` once on varying dummies of the given shapes."""
+    dummies = [vary(jnp.zeros(p.shape, p.dtype)) for p in param_like]
+    x = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), x_like)
+    s = split(layer, dummies, x, api)
+    (y, pullback, operands), eps = _vjp(s, policy, vary, dummies, x)
+    shapes = lambda t: jax.tree.map(lambda a: (a.shape, str(a.dtype)), t)  # noqa: E731
+    if jax.tree.structure(y) != jax.tree.structure(x) or shapes(y) != shapes(x):
+        raise ValueError(
+            f"{api}: Stages.stage(layer, x) must return an x of the same structure, shape and "
+            f"dtype as its input: got {shapes(y)} for an input {shapes(x)}"
+        )
+    leaves, treedef = jax.tree.flatten(pullback)
+    param_at, zero_at = _param_positions(leaves, dummies), _param_positions(leaves, eps)
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    kept = [leaf for i, leaf in enumerate(leaves) if i not in param_at and i not in zero_at]
+    return Template(s, treedef, param_at, zero_at, [like(leaf) for leaf in kept],
+                    [like(o) for o in operands], list(s.eps_like),
+                    _duplicates(kept + list(operands)))
+
+
+def _vjp(s: Split, policy, vary, params, x):
+    """``F`` of one layer: (output, closure over ``(x, eps)``, the uses' operands), and the
+    zero perturbations (a checkpointed closure keeps them: they are not stashed)."""
+    eps = [vary(jnp.zeros(e.shape, e.dtype)) for e in s.eps_like]
+
+    def forward(x, eps):
+        return s.forward(params, x, eps)
+
+    if policy is not None:
+        forward = jax.checkpoint(forward, policy=policy)
+    return jax.vjp(forward, x, eps, has_aux=True), eps
+
+
+def _param_positions(leaves: list, params: list) -> dict:
+    ids = {id(p): k for k, p in enumerate(params)}
+    return {i: ids[id(leaf)] for i, leaf in enumerate(leaves) if id(leaf) in ids}
+
+
+class Chunk:
+    """The actions of one chunk of stacked layers under a :class:`Template`.
+
+    Every action takes an optional ``mask`` (``[layers]`` bools, uneven layouts): a slot
+    whose mask is off holds no layer; ``lax.cond`` skips it (named ``pp_pad``), passing the
+    activation and the gradient through and computing nothing.
+
+    Args:
+      layer: ``layer(leaves, x) -> x`` (one layer's parameter slices).
+      tmpl: the :class:`Template`.
+      vary: casts a value to vary over the runtime's manual axes.
+      policy: a ``jax.checkpoint`` policy applied to every layer's ``F``, or ``None``.
+    """
+
+    def __init__(self, layer: Callable, tmpl: Template, vary: Callable, policy=None):
+        self.layer, self.tmpl, self.vary, self.policy = layer, tmpl, vary, policy
+
+    def _zeros(self, like: list, layers: int | None = None) -> list:
+        shape = (lambda a: a.shape) if layers is None else (lambda a: (layers, *a.shape))
+        return [self.vary(jnp.zeros(shape(a), a.dtype)) for a in like]
+
+    def _slot(self, on, real, skip):
+        if on is None:
+            return real()
+        with jax.named_scope("pp_pad"):
+            return lax.cond(on, real, skip)
+
+    def forward(self, params: list, x, mask=None):
+        """The chunk's output, keeping nothing (a rematerialised forward)."""
+
+        def body(x, xs):
+            p, on = xs
+            return self._slot(on, lambda: self.layer(p, x), lambda: x), None
+
+        return lax.scan(body, x, (params, mask))[0]
+
+    def forward_stash(self, params: list, x, mask=None):
+        """``F``: the chunk's output and what each layer stashes, ``[layers, ...]``."""
+        tmpl = self.tmpl
+
+        def real(p, x):
+            (y, pullback, operands), eps = _vjp(tmpl.split, self.policy, self.vary, p, x)
+            leaves = jax.tree.leaves(pullback)
+            if (_param_positions(leaves, p), _param_positions(leaves, eps)) != (
+                    tmpl.param_at, tmpl.zero_at) or len(leaves) != len(tmpl.param_at) + len(
+                    tmpl.zero_at) + len(tmpl.residuals):
+                raise AssertionError("pipeline runtime: a layer's vjp closure changed structure")
+            kept = [leaf for i, leaf in enumerate(leaves)
+                    if i not in tmpl.param_at and i not in tmpl.zero_at]
+            values = kept + list(operands)
+            if _duplicates(values) != tmpl.same_as:
+                raise AssertionError("pipeline runtime: a layer's stash changed structure")
+            return y, [self.vary(v) for i, v in enumerate(values) if i not in tmpl.same_as]
+
+        def body(x, xs):
+            p, on = xs
+            return self._slot(on, lambda: real(p, x), lambda: (x, self._zeros(tmpl.stashed)))
+
+        return lax.scan(body, x, (params, mask))
+
+    def _pullback(self, p: list, stash: list):
+        tmpl = self.tmpl
+        residuals = iter(tmpl.unstash(stash)[: len(tmpl.residuals)])
+        zeros = self._zeros([tmpl.split.eps_like[k] for k in sorted(set(tmpl.zero_at.values()))])
+        zero = dict(zip(sorted(set(tmpl.zero_at.values())), zeros))
+        count = len(tmpl.param_at) + len(tmpl.zero_at) + len(tmpl.residuals)
+        leaves = [p[tmpl.param_at[i]] if i in tmpl.param_at else
+                  zero[tmpl.zero_at[i]] if i in tmpl.zero_at else next(residuals)
+                  for i in range(count)]
+        return jax.tree.unflatten(tmpl.treedef, leaves)
+
+    def backward_input(self, params: list, stash: list, dy, mask=None):
+        """``B``: the chunk's input gradient, and each layer's gradients at its uses."""
+
+        def real(p, kept, g):
+            dx, d_uses = self._pullback(p, kept)(g)
+            return jax.tree.map(self.vary, dx), [self.vary(d) for d in d_uses]
+
+        def body(g, xs):
+            p, kept, on = xs
+            return self._slot(on, lambda: real(p, kept, g),
+                              lambda: (g, self._zeros(self.tmpl.uses)))
+
+        return lax.scan(body, dy, (params, stash, mask), reverse=True)
+
+    def backward_weights(self, params: list, stash: list, d_uses: list, mask=None):
+        """``W``: each layer's weight gradient ``[layers, ...]`` from its uses' gradients."""
+        split_ = self.tmpl.split
+        n = len(self.tmpl.residuals)
+
+        def real(p, kept, g):
+            operands = self.tmpl.unstash(kept)[n:]
+            _, pullback = jax.vjp(lambda q: split_.uses(q, operands, self.vary), p)
+            return [self.vary(d) for d in pullback([g[k] for k in split_.gradient_of])[0]]
+
+        def body(_, xs):
+            p, kept, g, on = xs
+            return None, self._slot(on, lambda: real(p, kept, g), lambda: self._zeros(p))
+
+        return lax.scan(body, None, (params, stash, d_uses, mask))[1]

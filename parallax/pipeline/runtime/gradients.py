@@ -1,0 +1,167 @@
+"""``px.pipeline.value_and_grad``: a :class:`Stages` loss and its gradients, pipelined.
+
+The entry point for any model given as ``(first, stage, last)`` functions over stacked
+layers, and what the ``px.Pipeline`` strategy calls inside ``px.train_step``. It validates
+everything at the boundary (:mod:`parallax.pipeline.runtime.checks`: the mesh axis, the
+schedule, the layer count or balance, the micro-batch count, the rematerialisation option)
+and runs the table runtime of :mod:`parallax.pipeline.runtime.ticks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from parallax import context
+from parallax.grad import split_target
+from parallax.microbatch import check_microbatches
+from parallax.pipeline.runtime import ticks
+from parallax.pipeline.runtime.optimizer import part_optimizer, replace_leaves
+from parallax.pipeline.runtime.stashed import Versions
+from parallax.pipeline.runtime.checks import (POLICIES, REMAT, check_balance, check_count,
+                                              check_remat, check_schedule_name, chunks_for,
+                                              layout_for, resolve_schedule)
+from parallax.pipeline.schedules.table import Schedule
+from parallax.pipeline.stages import Stages, program
+
+__all__ = ["POLICIES", "REMAT", "pipeline_grads", "pipeline_update", "value_and_grad"]
+API = "px.pipeline.value_and_grad"
+
+
+def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule="1f1b",
+                   microbatches: int, virtual_stages: int | None = None,
+                   split_backward: bool | None = None, axis: str = "stage",
+                   remat="except_last", balance=None, api: str = API, trace: bool = False):
+    """``(loss, grads)`` of ``stages`` on ``batch``, pipelined over mesh axis ``axis``.
+
+    With ``trace``, also the action codes each stage's switch ran at each tick,
+    ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what executed, to compare with
+    ``Schedule.as_arrays().kind``.
+    """
+    mode, policy = check_remat(remat, api)
+    virtual_stages = chunks_for(schedule, virtual_stages, api)
+    size = ticks.stage_count(axis, None, api)
+    sched = resolve_schedule(schedule, size, microbatches, virtual_stages, split_backward,
+                             axis, api)
+    check_microbatches(batch, sched.microbatches, api)
+    prog = program(stages, params, rebuild, api)
+    layout = layout_for(prog.stacked[0].shape[0], sched, check_balance(balance, api), api,
+                        axis)
+    with context.manual((axis,)):
+        loss, d_stacked, d_others, *codes = ticks.execute(
+            prog, sched, batch, axis=axis, remat=mode, policy=policy, api=api, trace=trace,
+            layout=layout)
+    return (loss, prog.grads(d_stacked, d_others), *codes)
+
+
+def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,
+                   microbatches: int | None = None, virtual_stages: int | None = None,
+                   split_backward: bool | None = None, axis: str = "stage",
+                   remat="except_last", balance: Sequence[int] | None = None) -> Callable:
+    """Pipelines a :class:`Stages` loss over mesh axis ``axis``: ``fn(model, batch)``.
+
+    The batch is split into ``microbatches`` equal micro-batches (the batch is not split
+    over ``axis``: every stage sees all of it, and only virtual stage 0 and the last read
+    it); the stacked layers are split into ``stages x virtual_stages`` chunks (evenly, or as
+    ``balance`` says); the schedule's table runs in one ``lax.scan`` inside ``shard_map``.
+    The result equals ``jax.value_and_grad(stages)`` of the sequential model (the mean over
+    micro-batches of their mean losses).
+
+    Args:
+      stages: the pipelined loss (:class:`Stages`).
+      schedule: a name of ``px.pipeline.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
+        ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zb_h2"``, ``"interleaved_zb"``, ``"zbv"``,
+        ``"dualpipev"``) or a :class:`Schedule` built for the mesh's stage count.
+      microbatches: micro-batches per step (ignored for a :class:`Schedule`, which has its
+        own).
+      virtual_stages: model chunks per stage (default: the schedule's own, 2 for the V
+        schedules, else 1; the interleaved ones need >= 2).
+      split_backward: schedule ``W`` independently of ``B`` (default: the schedule's own).
+      axis: the mesh axis of the pipeline; the mesh comes from ``jax.set_mesh``.
+      remat: ``"always"``, ``"except_last"`` (default) or ``"never"``, torchgpipe's options
+        (rematerialise every micro-batch's forward, all but the last one's, or none), or a
+        ``jax.checkpoint_policies`` name applied to every layer.
+      balance: layers per virtual stage (torchgpipe's ``balance``) or a
+        ``px.pipeline.Plan`` from ``px.pipeline.partition``; default: an even split. Uneven
+        stages run padded to the largest with masked, skipped slots.
+
+    Returns:
+      ``fn(model_or_params, batch) -> (loss, grads)``, ``grads`` shaped like the parameters
+      (an ``nnx.State`` for a module), the stacked layers' gradients sharded over ``axis``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, parallax as px
+      >>> from parallax.pipeline import Stages, value_and_grad
+      >>> loss = Stages(lambda p, b: b["x"], lambda w, x: jnp.tanh(x @ w) + x,
+      ...               lambda p, x, b: jnp.mean(x ** 2), lambda p: p["layers"])
+      >>> params, batch = {"layers": jnp.eye(4)[None].repeat(2, 0)}, {"x": jnp.ones((8, 4))}
+      >>> mesh = px.make_mesh(stage=2, devices=jax.devices()[:2])
+      >>> with jax.set_mesh(mesh):
+      ...     value, grads = jax.jit(value_and_grad(loss, "1f1b", microbatches=4))(params, batch)
+      >>> bool(jnp.allclose(value, loss(params, batch)))
+      True
+
+    References:
+      Huang et al. 2019, GPipe; Kim et al. 2020, torchgpipe; Narayanan et al. 2019,
+      PipeDream; Narayanan et al. 2021, PipeDream-flush; Narayanan et al. 2021 (SC),
+      Megatron-LM interleaved schedule; Qi et al. 2024, Zero Bubble Pipeline Parallelism.
+    """
+    if not isinstance(stages, Stages):
+        raise TypeError(f"{API}: the loss must be a px.pipeline.Stages, got "
+                        f"{type(stages).__name__}")
+    chunks = chunks_for(schedule, virtual_stages, API)
+    check_schedule_name(schedule, chunks, API)
+    check_remat(remat, API)
+    check_balance(balance, API)
+    if isinstance(schedule, Schedule):
+        microbatches = schedule.microbatches
+    elif microbatches is None:
+        raise TypeError(f"{API}: pass microbatches= (micro-batches per step) with a named "
+                        "schedule")
+    microbatches = check_count("microbatches", microbatches, API)
+
+    def fn(target, batch):
+        params, rebuild = split_target(target)
+        return pipeline_grads(stages, params, rebuild, batch, schedule=schedule,
+                              microbatches=microbatches, virtual_stages=chunks,
+                              split_backward=split_backward, axis=axis, remat=remat,
+                              balance=balance)
+
+    return fn
+
+
+def pipeline_update(stages: Stages, params, rebuild: Callable, batch, tx, opt_state, *,
+                    schedule="1f1b", microbatches: int, virtual_stages: int | None = None,
+                    split_backward: bool | None = None, axis: str = "stage",
+                    remat="except_last", balance=None, api: str = "px.pipeline.update",
+                    trace: bool = False):
+    """PipeDream's weight stashing: ``(loss, new_params, new_opt_state)`` after one step.
+
+    Every stage applies ``tx`` to its layers after each micro-batch's backward, each
+    backward on the weights its forward used (:mod:`parallax.pipeline.runtime.stashed`);
+    the parameters outside the stack take the micro-batches' updates at the end. The loss
+    is the mean over micro-batches, each at the weights its forward saw.
+    """
+    mode, policy = check_remat(remat, api)
+    virtual_stages = chunks_for(schedule, virtual_stages, api)
+    size = ticks.stage_count(axis, None, api)
+    sched = resolve_schedule(schedule, size, microbatches, virtual_stages, split_backward,
+                             axis, api)
+    check_microbatches(batch, sched.microbatches, api)
+    prog = program(stages, params, rebuild, api)
+    layout = layout_for(prog.stacked[0].shape[0], sched, check_balance(balance, api), api,
+                        axis)
+    stacked_opt, stacked_state = part_optimizer(tx, prog.grads, "stacked", prog.stacked,
+                                                prog.others, opt_state, api)
+    others_opt, others_state = (part_optimizer(tx, prog.grads, "others", prog.stacked,
+                                               prog.others, opt_state, api)
+                                if prog.others else (None, []))
+    versions = Versions(stacked_opt, stacked_state, others_opt, others_state)
+    with context.manual((axis,)):
+        loss, new_stacked, new_others, new_state, new_others_state, *codes = ticks.execute(
+            prog, sched, batch, axis=axis, remat=mode, policy=policy, api=api, trace=trace,
+            layout=layout, versions=versions)
+    leaves = dict(zip(stacked_opt.paths, new_state))
+    if others_opt is not None:
+        leaves |= dict(zip(others_opt.paths, new_others_state))
+    new_params = prog.grads(new_stacked, new_others)
+    return (loss, new_params, replace_leaves(opt_state, leaves), *codes)

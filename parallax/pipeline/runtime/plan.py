@@ -1,0 +1,206 @@
+"""What the SPMD runtime executes: a schedule's arrays, per-cell flags and its buffer slots.
+
+:meth:`Schedule.as_arrays` gives the actions and the inbox (what arrives from another
+virtual stage, by the channel the placement says: from the previous stage, from the next,
+or from this stage itself); the runtime asks it to route the loss's gradient through the
+inbox too (the last virtual stage's ``F`` sends it to itself), so every ``B`` reads its
+gradient from the inbox. The runtime keeps three more rings whose slots this module assigns
+from the same table (lowest free slot first, as :mod:`parallax.pipeline.schedules.slots`
+does), so the schedule stays the single source of truth. Every ring has one spare row that
+takes the writes of ticks that write nothing to it: the runtime then writes each ring once
+per tick, outside its ``lax.switch`` (a buffer passed through a switch is copied by XLA,
+measured):
+
+* ``stash``: what ``F`` keeps for ``B`` and ``W`` (the closure's residuals and the uses'
+  operands, :mod:`parallax.pipeline.runtime.chunk`); ``F`` writes it (``B`` when the forward
+  is rematerialised), ``W`` frees it. Without rematerialisation these are exactly the slots
+  of ``Schedule.as_arrays().stash``;
+* ``inputs``: a stage's input ``x``, for a micro-batch whose forward is rematerialised;
+  ``F`` writes it, ``B`` reads it to recompute the forward;
+* ``uses``: the gradient at each use of a parameter, computed by ``B`` and read by ``W``;
+* ``versions`` (``weights="stashed"`` only): the chunk's weights as its ``F`` used them, read
+  by its ``B`` and ``W`` while later updates change the latest ones (PipeDream's weight
+  stashing; the same spans as the stash without rematerialisation).
+
+Each kind of action is one branch of a ``lax.switch``; three flags per cell say what else
+the action does: whether it runs on virtual stage 0 (``first`` runs there), on the last
+virtual stage (``last`` runs there) and whether its forward is rematerialised.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from parallax.pipeline.schedules.action import KIND_CODES, Action
+from parallax.pipeline.schedules.slots import CHANNELS, _assign, schedule_arrays
+from parallax.pipeline.schedules.table import Schedule
+
+RINGS = ("stash", "inputs", "uses")  # and the inbox, planned by the schedule's arrays
+VERSIONS = "versions"  # weights="stashed": the weight version each micro-batch's F used
+
+
+class RuntimePlan(NamedTuple):
+    """Per-tick, per-stage indices the runtime reads (int32 ``[ticks, stages]``, -1 = none)."""
+
+    kind: np.ndarray  # 0 idle, 1 F, 2 B, 3 W (as Schedule.as_arrays): the switch's branch
+    first: np.ndarray  # F, B on virtual stage 0
+    last: np.ndarray  # F, B on the last virtual stage
+    remat: np.ndarray  # F, B of a rematerialised micro-batch
+    microbatch: np.ndarray  # clamped to 0 where idle
+    chunk: np.ndarray  # clamped to 0 where idle
+    slots: dict  # ring name -> [T, S] slot the cell's action reads or writes (-1: none)
+    writes: dict  # ring name -> [T, S] slot written in the tick; ``capacity``: the spare row
+    arrive: dict  # channel ("up", "down", "local") -> [T, S] inbox slot, or the spare row
+    capacity: dict  # ring name -> slots per stage (max over stages; SPMD shapes agree)
+    mixed: dict  # (kind, flag) -> (some cell of the kind has it, some lacks it): static
+
+    def table(self) -> dict:
+        """The ``[T, S]`` arrays the tick loop scans over (reads clamped to slot 0).
+
+        ``store_<ring>[t]`` is where what the action of tick ``t - 1`` wrote goes: the
+        runtime stores it at the start of tick ``t``, before the switch, so that the switch
+        can read the rings in place (a ring written after the switch that reads it is copied
+        by XLA, measured). A slot is written at ``t`` and read from ``t + 1``, so storing it
+        one tick later is always in time, and never over a slot still to be read.
+        """
+        table = {name: getattr(self, name) for name in (
+            "kind", "first", "last", "remat", "microbatch", "chunk")}
+        table |= {f"read_{name}": np.maximum(slot, 0) for name, slot in self.slots.items()}
+        for name, slot in self.writes.items():
+            spare = np.full((1, slot.shape[1]), self.capacity[name], slot.dtype)
+            table[f"store_{name}"] = np.concatenate([spare, slot[:-1]])
+        return table | {f"arrive_{name}": slot for name, slot in self.arrive.items()}
+
+
+def widen(plans) -> list[RuntimePlan]:
+    """Plans of one size (stages, chunks, micro-batches) padded to one shape: the most ticks
+    (idle ticks at the end) and the largest capacity of every ring, with every flag mixed
+    that any of them mixes. One compiled program then runs any of their tables, passed as
+    arguments."""
+    ticks = max(p.kind.shape[0] for p in plans)
+    capacity = {name: max(p.capacity[name] for p in plans) for name in plans[0].capacity}
+    mixed = {key: tuple(any(p.mixed[key][i] for p in plans) for i in (0, 1))
+             for key in plans[0].mixed}
+
+    def pad(a, fill):
+        return np.concatenate([a, np.full((ticks - a.shape[0], a.shape[1]), fill, a.dtype)])
+
+    def spare(a, old, new):  # the spare row moves to the new capacity
+        return pad(np.where(a == old, new, a), new)
+
+    out = []
+    for p in plans:
+        inbox_old = p.capacity["inbox"]
+        out.append(p._replace(
+            **{name: pad(getattr(p, name), 0) for name in (
+                "kind", "first", "last", "remat", "microbatch", "chunk")},
+            slots={name: pad(slot, -1) for name, slot in p.slots.items()},
+            writes={name: spare(w, p.capacity[name], capacity[name])
+                    for name, w in p.writes.items()},
+            arrive={name: spare(a, inbox_old, capacity["inbox"])
+                    for name, a in p.arrive.items()},
+            capacity=capacity, mixed=mixed))
+    return out
+
+
+def remat_flags(remat: str, microbatches: int) -> list[bool]:
+    """Which micro-batches' forwards are rematerialised, for a torchgpipe option.
+
+    A JAX checkpoint policy is applied inside every forward instead, so it marks none.
+    """
+    if remat == "always":
+        return [True] * microbatches
+    if remat == "except_last":
+        return [m != microbatches - 1 for m in range(microbatches)]
+    return [False] * microbatches
+
+
+def runtime_plan(schedule: Schedule, remat: str = "never",
+                 versions: bool = False) -> RuntimePlan:
+    """The runtime's plan for ``schedule`` with the torchgpipe option ``remat``.
+
+    Args:
+      schedule: a validated :class:`Schedule`.
+      remat: ``"always"``, ``"except_last"``, ``"never"`` or a checkpoint policy name (the
+        latter plans like ``"never"``).
+      versions: plan the ``versions`` ring too (``weights="stashed"``).
+
+    Returns:
+      A :class:`RuntimePlan`.
+
+    Example:
+      >>> from parallax.pipeline import schedule
+      >>> plan = runtime_plan(schedule("1f1b", 2, 4), remat="always")
+      >>> plan.capacity["inputs"], plan.capacity["stash"]
+      (2, 1)
+    """
+    arrays = schedule_arrays(schedule, local_seeds=True)
+    T, S, V, M = schedule.ticks, schedule.stages, schedule.virtual_stages, schedule.microbatches
+    rematted = remat_flags(remat, M)
+    tick = schedule.tick_of
+    slots = {name: np.full((T, S), -1, np.int32) for name in RINGS}
+    written = {name: np.zeros((T, S), bool) for name in RINGS}
+    capacity = {}
+    rings = RINGS + ((VERSIONS,) if versions else ())
+    slots = {name: np.full((T, S), -1, np.int32) for name in rings}
+    written = {name: np.zeros((T, S), bool) for name in rings}
+    for name in rings:
+        per_stage = []
+        for s in range(S):
+            spans = []
+            for c in range(V):
+                for m in range(M):
+                    f, b, w = (tick[(Action(k, m, c), s)] for k in "FBW")
+                    r = rematted[m]
+                    uses = {  # the ticks whose action uses the slot; the first one writes it
+                        "stash": (b, w) if r else (f, b, w),
+                        "inputs": (f, b) if r else None,
+                        "uses": (b, w),
+                        VERSIONS: (f, b, w),
+                    }[name]
+                    if uses is not None:
+                        spans.append((uses[0], uses[-1], uses))
+            assigned, used = _assign(spans)
+            for (_, _, uses), slot in zip(spans, assigned):
+                for t in uses:
+                    slots[name][t, s] = slot
+                written[name][uses[0], s] = True
+            per_stage.append(used)
+        capacity[name] = max(per_stage, default=0)
+    capacity["inbox"] = int(arrays.inbox_capacity.max(initial=0))
+    # Every ring has one spare row, ``capacity``: a tick that writes nothing to a ring writes
+    # there, so the runtime writes every ring every tick, outside the switch.
+    writes = {name: np.where(written[name], slots[name], capacity[name]).astype(np.int32)
+              for name in rings}
+    arrive = {channel: np.where(a >= 0, a, capacity["inbox"]).astype(np.int32)
+              for channel, a in zip(CHANNELS, (arrays.arrive_up, arrays.arrive_down,
+                                               arrays.arrive_local))}
+    slots["inbox"] = arrays.input  # F: its activation (-1: first(micro-batch)); B: gradient
+
+    kind = arrays.kind
+    chunk, microbatch = np.maximum(arrays.chunk, 0), np.maximum(arrays.microbatch, 0)
+    active = (kind == KIND_CODES["F"]) | (kind == KIND_CODES["B"])
+    virtual = np.asarray(schedule.placement.virtual)[np.arange(S)[None, :], chunk]
+    flags = {
+        "first": active & (virtual == 0),
+        "last": active & (virtual == schedule.placement.count - 1),
+        "remat": active & np.asarray(rematted)[microbatch],
+    }
+    mixed = {}
+    for kind_name in ("F", "B"):
+        cells = kind == KIND_CODES[kind_name]
+        for name, flag in flags.items():
+            mixed[kind_name, name] = (bool(flag[cells].any()), bool((~flag[cells]).any()))
+    return RuntimePlan(
+        kind=kind,
+        **{name: flag.astype(np.int32) for name, flag in flags.items()},
+        microbatch=microbatch,
+        chunk=chunk,
+        slots=slots,
+        writes=writes,
+        arrive=arrive,
+        capacity=capacity,
+        mixed=mixed,
+    )

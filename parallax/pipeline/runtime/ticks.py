@@ -1,0 +1,239 @@
+"""One SPMD runtime for every pipeline schedule: a ``lax.scan`` over the table's ticks.
+
+Inside a ``shard_map`` that is manual over the stage axis only (data axes are the caller's,
+tensor axes stay with GSPMD inside the stage bodies), every tick each stage
+
+1. stores what arrived into its inbox, at the slots the plan gives: what the previous stage
+   sent last tick, what the next stage sent, and what it kept for itself (the placement
+   says which channel each value takes; the loss's gradient comes by the last);
+2. reads its action from the table (indexed by ``axis_index``) and ``lax.switch``-es to
+   it: ``F``, ``B``, ``W`` (:mod:`parallax.pipeline.runtime.chunk`) or idle. The branch
+   reads the slots it needs from the rings, which enter the switch read-only and are
+   written only before it: what a branch writes is stored at the start of the next tick
+   (XLA copies a buffer that a switch returns, or that is written after a switch reads
+   it, on every tick: measured);
+3. sends the branch's payload to both neighbours with one ``ppermute`` each (one when there
+   are two stages, none with one), outside the switch, so the collectives are the same on
+   every stage and every tick, and keeps it for itself.
+
+``first`` runs inside the ``F`` of virtual stage 0; ``last`` and its gradient (the seed of the
+backward) inside the ``F`` of the last virtual stage; ``first``'s backward inside the ``B`` of
+virtual stage 0. Gradients of the stacked layers stay sharded over the stage axis; the
+other parameters' gradients are summed over it.
+
+With ``v`` chunks per stage, chunk ``c`` of stage ``s`` is the virtual stage the schedule's
+placement says; the stack is stored contiguously over the stage axis (``("layers",
+"stage")``), so each step first moves every block of layers to the stage that runs it, and
+the gradients back (:mod:`parallax.pipeline.runtime.layer_moves`).
+
+References:
+  Huang et al. 2019, GPipe; Narayanan et al. 2019, PipeDream (1F1B, weight stashing);
+  Narayanan et al. 2021, Memory-Efficient Pipeline-Parallel DNN Training (PipeDream-flush);
+  Narayanan et al. 2021 (SC), Megatron-LM interleaved 1F1B; Kim et al. 2020, torchgpipe
+  (rematerialisation options); Qi et al. 2024, Zero Bubble (the B/W split, ZB-V).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from parallax.pipeline.runtime import branches, layer_moves, stashed
+from parallax.pipeline.runtime.chunk import Chunk, template
+from parallax.pipeline.runtime.plan import RuntimePlan, runtime_plan
+from parallax.pipeline.schedules.table import Schedule
+from parallax.pipeline.stages import Program
+from parallax.vma import to_varying, varying_axes
+
+
+def caster(axes: frozenset):
+    """``vary(x)``: ``x`` cast to vary over ``axes`` (``lax.pcast``), a no-op where it does."""
+
+    def vary(x):
+        return to_varying(x, sorted(axes))
+
+    return vary
+
+
+def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, policy,
+            api: str, trace: bool = False, layout=None, plan: RuntimePlan | None = None,
+            table: dict | None = None, versions: stashed.Versions | None = None):
+    """Runs ``sched`` on ``prog``: the mean loss over micro-batches and its gradients.
+
+    Must be called where the mesh (``jax.sharding.get_abstract_mesh()``) has ``axis`` of
+    size ``sched.stages`` and ``axis`` is not yet manual; the parameters' stacked layer axis
+    should be sharded over ``axis`` (it is resharded otherwise).
+
+    Args:
+      layout: a :class:`parallax.pipeline.runtime.layer_moves.Layout` (which stored layers
+        each chunk runs); default: the even split for the schedule's placement.
+      plan: the :class:`RuntimePlan` (default: ``runtime_plan(sched, remat)``); with
+        ``table``, only its static parts (capacities, mixed flags) are read.
+      table: the per-tick arrays to scan (``plan.table()``), possibly traced: a program
+        compiled for a widened plan (:func:`parallax.pipeline.runtime.plan.widen`) runs
+        any table of that shape.
+      versions: ``weights="stashed"``: the optimizer and its state
+        (:mod:`parallax.pipeline.runtime.stashed`); the step then updates the weights.
+
+    Returns:
+      ``(loss, d_stacked, d_others)``, or with ``versions`` ``(loss, new_stacked,
+      new_others, new_stacked_state, new_others_state)``; plus the executed action codes
+      ``[ticks, stages]`` when ``trace`` (what each stage's switch ran at each tick: 0 idle,
+      1 F, 2 B, 3 W).
+    """
+    M = sched.microbatches
+    plan = plan or runtime_plan(sched, remat, versions=versions is not None)
+    table = plan.table() if table is None else table
+    layout = layout or layer_moves.Layout.even(prog.stacked[0].shape[0], sched.placement)
+    micro = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
+    outer = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(
+        (prog.stacked, prog.others, batch))))
+    vary = caster(outer | {axis})
+
+    def body(stacked, others, micro, stacked_state, others_state):
+        # stored [L / S, ...] -> run here [v, L_c, ...] (chunk c is the placement's)
+        stacked = [vary(layer_moves.to_chunks(p, axis, layout)) for p in stacked]
+        given, others = others, [vary(o) for o in others]  # given: replicated, as passed
+        micro = jax.tree.map(vary, micro)
+        opt = None
+        if versions is not None:
+            opt = [vary(layer_moves.to_chunks(x, axis, layout)) if m else vary(x)
+                   for x, m in zip(stacked_state, versions.stacked.mirrors)]
+        loss, d_stacked, d_others, *rest = _ticks(
+            prog, plan, table, sched, stacked, others, micro, axis=axis, vary=vary,
+            policy=policy, api=api, trace=trace, mask=layout.mask, versions=versions,
+            opt=opt)
+        d_stacked = [layer_moves.from_chunks(g, axis, layout) for g in d_stacked]
+        if versions is None:
+            return (loss, d_stacked, d_others, *rest)
+        opt, *codes = rest
+        opt = [layer_moves.from_chunks(x, axis, layout) if m else
+               stashed.first_stage_value(x, axis)
+               for x, m in zip(opt, versions.stacked.mirrors)]
+        new_others, others_state = stashed.update_others(versions.others, given,
+                                                         others_state, d_others)
+        return (loss, d_stacked, new_others, opt, others_state, *codes)
+
+    stacked_spec = [P(axis)] * len(prog.stacked)
+    others_spec = [P()] * len(prog.others)
+    state_specs = ([], [])
+    state_args = ([], [])
+    if versions is not None:
+        state_specs = ([P(axis) if m else P() for m in versions.stacked.mirrors],
+                       [P()] * len(versions.others_state))
+        state_args = (versions.stacked_state, versions.others_state)
+    out_specs = (P(), stacked_spec, others_spec)
+    if versions is not None:
+        out_specs += state_specs
+    out_specs += ((P(None, axis),) if trace else ())
+    return jax.shard_map(
+        body,
+        in_specs=(stacked_spec, others_spec, jax.tree.map(lambda _: P(), micro), *state_specs),
+        out_specs=out_specs,
+        axis_names=frozenset({axis}),
+    )(prog.stacked, prog.others, micro, *state_args)
+
+
+def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axis, vary,
+           policy, api, trace, mask=None, versions=None, opt=None):
+    S, M = sched.stages, sched.microbatches
+    s = lax.axis_index(axis)
+    pick = lambda tree, i: jax.tree.map(  # noqa: E731
+        lambda b: lax.dynamic_index_in_dim(b, i, keepdims=False), tree)
+    x_like = prog.first(others, pick(micro, 0))  # shapes only; XLA drops it
+    tmpl = template(prog.layer, [pick(p, 0)[0] for p in stacked], x_like, vary, policy, api)
+    chunk = Chunk(prog.layer, tmpl, vary, policy)
+    # [v, slots]: which of this stage's slots hold a layer (uneven layouts pad with masks)
+    slot_mask = None if mask is None else jnp.asarray(mask)[s]
+    keep = versions is not None  # weights="stashed"
+    slots = branches.slot_shapes(x_like, tmpl, stacked[0].shape[1], stacked, keep)
+    state = branches.initial_state(plan.capacity, slots, stacked, others, vary,
+                                   M if keep else None)
+    if keep:
+        state["live"], state["opt"] = list(stacked), list(opt)
+    fns = branches.branches(plan, prog, chunk, stacked, others, M, slots, vary, keep)
+    up = [(i, (i + 1) % S) for i in range(S)]
+    down = [(i, (i - 1) % S) for i in range(S)]
+
+    written = ("stash", "inputs", "uses") + (("versions",) if keep else ())
+
+    def tick(carry, row):
+        state, from_below, from_above, kept, pending = carry
+        cell = {name: vary(row[name][s]) for name in row}
+        state = dict(state)
+        # 1. what the last tick's action wrote, and what arrived, go to their slots (or to
+        #    the spare rows), all before the switch, which then reads the rings in place
+        for name in written:
+            state[name] = branches.write(state[name], cell[f"store_{name}"], pending[name])
+        for channel, value in (("up", from_below), ("down", from_above), ("local", kept)):
+            state["inbox"] = branches.write(state["inbox"], cell[f"arrive_{channel}"], value)
+        # 2. the action; its branch reads only the slots it needs
+        latest = state["live"] if keep else stacked
+        got = {"params": [lax.dynamic_index_in_dim(p, cell["chunk"], keepdims=False)
+                          for p in latest],
+               "batch": branches.read(micro, cell["microbatch"]),
+               "mask": (None if slot_mask is None else
+                        lax.dynamic_index_in_dim(slot_mask, cell["chunk"], keepdims=False))}
+        rings = {name: state[name] for name in branches.RINGS + ("versions",)}
+        with jax.named_scope("pp_switch"):
+            out = lax.switch(cell["kind"], fns, cell, got, rings)
+        pending = {name: getattr(out, name) for name in written}
+        if keep:  # PipeDream: each W applies its micro-batch's update to the latest weights
+            state["live"], state["opt"] = stashed.update_chunk(
+                versions.stacked, state["live"], state["opt"], out.d_chunk, cell["chunk"],
+                cell["kind"] == 3)
+            state["d_others"] = stashed.add_at(state["d_others"], cell["microbatch"],
+                                               out.d_others)
+        else:
+            state["d_stacked"] = [_accumulate(acc, d, cell["chunk"])
+                                  for acc, d in zip(state["d_stacked"], out.d_chunk)]
+            state["d_others"] = [acc + d for acc, d in zip(state["d_others"], out.d_others)]
+        state["loss"] = state["loss"] + out.loss
+        # 3. send, the same collectives on every stage and every tick
+        payload = out.payload
+        if S > 2:
+            sent_up, sent_down = lax.ppermute(payload, axis, up), lax.ppermute(payload, axis, down)
+        elif S == 2:  # both neighbours are the other stage: one permute serves both ways
+            sent_up = sent_down = lax.ppermute(payload, axis, up)
+        else:
+            sent_up = sent_down = payload
+        return (state, sent_up, sent_down, payload, pending), out.code
+
+    zeros = lambda like: jax.tree.map(  # noqa: E731
+        lambda a: vary(jnp.zeros(a.shape, a.dtype)), like)
+    x0 = zeros(slots["inbox"])
+    nothing = {name: zeros(slots[name]) for name in written}
+    (state, *_), codes = lax.scan(tick, (state, x0, x0, x0, nothing), table)
+    loss = lax.psum(state["loss"], axis) / M
+    d_others = [lax.psum(g, axis).astype(o.dtype) for g, o in zip(state["d_others"], others)]
+    if keep:  # the new weights instead of gradients, and the optimizer's new state
+        out = (loss, state["live"], d_others, state["opt"])
+    else:
+        d_stacked = [g.astype(p.dtype) for g, p in zip(state["d_stacked"], stacked)]
+        out = (loss, d_stacked, d_others)
+    return out + ((codes[:, None],) if trace else ())
+
+
+def _accumulate(acc, delta, chunk):
+    """``acc[chunk] += delta``; a plain add with one chunk (an update-slice copies ``acc``)."""
+    if acc.shape[0] == 1:
+        return acc + delta[None]
+    return lax.dynamic_update_index_in_dim(
+        acc, lax.dynamic_index_in_dim(acc, chunk, keepdims=False) + delta, chunk, 0)
+
+
+def stage_count(axis: str, mesh, api: str) -> int:
+    """The size of ``axis`` in ``mesh`` (or the mesh in context), with a clear error."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if axis not in names:
+        shape = dict(getattr(mesh, "shape", {}) or {})
+        where = f"the mesh has axes {shape}" if names else "no mesh is set"
+        raise ValueError(
+            f"{api}: the pipeline runs over mesh axis {axis!r}, but {where}; build the mesh "
+            f"with px.make_mesh({axis}=N, ...) and run inside jax.set_mesh(mesh) (px.train_step "
+            "does), or pass axis= naming the mesh's pipeline axis"
+        )
+    return int(mesh.shape[axis])

@@ -12,7 +12,13 @@ writes the data-parallel collectives itself:
 3. gradients are reduced: ``psum_scatter`` over the ZeRO axis for stages 2 and 3 (each
    device keeps the reduced slice it owns), ``psum`` over the other batch axes (or the
    strategy's ``grad_sync``, e.g. DDP's buckets), then divided by the number of batch
-   shards. The loss is averaged the same way.
+   shards. The loss is averaged the same way; auxiliary values, the module's state after
+   the forward pass and sown values are reduced by kind (:mod:`parallax.aux`).
+
+An NNX module is rebuilt inside the differentiated function, so a forward pass may write
+its non-parameter state (BatchNorm statistics, RNG counters): that state comes back
+written into the module passed in, as with ``nnx.value_and_grad``
+(:mod:`parallax.mutable`, :mod:`parallax.local_loss`).
 
 The loss function must return a mean over the examples of its batch (equal weights), which
 makes the mean over equal shards exactly the full batch's value.
@@ -21,19 +27,25 @@ makes the mean over equal shards exactly the full batch's value.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from parallax import context, layout
+from parallax import context, finite, layout
+from parallax.aux import join_examples, over_shards, restore_static, split_examples
+from parallax.batch import check_batch_tree
+from parallax.local_loss import LocalResult, SliceLoss, leading_size
 from parallax.local_shards import auto_axes, group_on_local_shards, on_local_shards
 from parallax.mesh import axis_size
-from parallax.microbatch import accumulate, check_microbatches
+from parallax.microbatch import check_count, check_microbatches
+from parallax.mutable import StateOptions, Target
+from parallax.producer import GradRequest, gradient_producer, split_target
+from parallax.rng import WHOLE, Position
 from parallax.vma import to_varying
+
+__all__ = ["GradRequest", "split_target", "value_and_grad"]
 
 API = "px.value_and_grad"
 
@@ -43,22 +55,39 @@ def value_and_grad(
     *,
     microbatches: int | None = None,
     has_aux: bool = False,
+    batch_stats: str = "global",
+    rng: str = "global",
 ) -> Callable:
     """Like ``jax.value_and_grad``, with the strategy's gradient production and sync.
 
     Args:
       loss_fn: ``loss_fn(model_or_params, batch, *args) -> loss`` (or ``(loss, aux)`` with
         ``has_aux``). ``loss`` must be a scalar mean over the batch's examples. An NNX
-        module is differentiated with respect to its ``nnx.Param`` state.
+        module is differentiated with respect to its ``nnx.Param`` state; the rest of its
+        state (BatchNorm statistics, RNG counters, variables, sown values) as the forward
+        pass leaves it is written back into the module, as ``nnx.value_and_grad`` does.
       microbatches: split each device's batch into this many micro-batches and accumulate
         (``lax.scan``); numerically the full batch's result.
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; floating aux values are averaged over
-        batch shards and micro-batches, integer ones summed.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux values are reduced by kind over
+        batch shards and micro-batches: per-example arrays (leading dimension = the batch)
+        concatenated, other floats averaged, integers and keys passed through when equal
+        on every shard (an error otherwise), non-array values passed through.
+      batch_stats: which examples a BatchNorm's statistics cover: ``"global"`` (the
+        whole batch, one device's semantics; the default), ``"per_replica"`` (each batch
+        shard's, DDP's) or ``"per_microbatch"`` (each micro-batch's, GPipe's). See
+        :mod:`parallax.mutable` for what each costs.
+      rng: ``"global"`` (the default: draws from the module's RNG streams are one
+        device's, on every shard and micro-batch) or ``"per_shard"`` (an independent
+        stream per slice).
 
     Returns:
       ``fn(model_or_params, batch, *args) -> (loss, grads)`` (or ``((loss, aux), grads)``),
       where ``grads`` has the structure of the parameters (an ``nnx.State`` for a module).
       Under ZeRO 2/3 the gradients come out sharded over the ZeRO axis.
+
+    Raises:
+      TypeError: ``loss_fn`` is not callable, or returns a non-array / non-float loss.
+      ValueError: a bad ``microbatches``, ``batch_stats`` or ``rng``; a non-scalar loss.
 
     Example:
       >>> import jax.numpy as jnp, parallax as px
@@ -67,79 +96,55 @@ def value_and_grad(
       >>> value, grads = px.value_and_grad(loss, microbatches=2)(jnp.ones(3), batch)
       >>> float(value)
       9.0
+
+    References:
+      Ioffe & Szegedy, "Batch Normalization", 2015 (and PyTorch's ``SyncBatchNorm``);
+      Huang et al., "GPipe", 2019 (micro-batches, per-micro-batch statistics).
     """
+    if not callable(loss_fn):
+        raise TypeError(f"{API}: loss_fn must be callable as loss_fn(model, batch); got "
+                        f"{type(loss_fn).__name__}: {loss_fn!r}.")
+    if microbatches is not None:
+        check_count(microbatches, API)
+    options = StateOptions(batch_stats, rng)
 
     def wrapped(target, batch, *args):
-        params, rebuild = split_target(target)
+        check_batch_tree(batch, API)
         ctx = context.current()
         strategy = ctx.strategy if ctx is not None else None
-        request = GradRequest.of(loss_fn, rebuild, args, has_aux)
-        produce, split = gradient_producer(request, strategy, microbatches)
+        parts = Target.of(target)
         axes = batch_axes(ctx)
+        explicit = bool(axes) and strategy.sync_style == "explicit"
+        check_options(options, ctx, axes, explicit)
+        local = SliceLoss(loss_fn, parts, args, has_aux, options,
+                          axes=axes if explicit else (), check=finite.active(),
+                          hooks=strategy.module_hooks if strategy is not None else ())
+        produce, split = gradient_producer(local, strategy, microbatches)
         check_microbatches(batch, split, API, axis_size(ctx.mesh, axes) if axes else 1)
-        if axes and strategy.sync_style == "explicit":
-            (loss, aux), grads = explicit_value_and_grad(produce, params, batch, ctx, axes)
+        if explicit:
+            (loss, res), grads = explicit_value_and_grad(produce, parts, batch, ctx, axes,
+                                                         target)
         else:
-            (loss, aux), grads = produce(params, batch)
-            grads = constrain_grads(grads, params, ctx)
+            (loss, res), grads = produce(parts.params, batch, parts.state, WHOLE)
+            grads = constrain_grads(grads, parts.params, ctx, target)
+        parts.write_back(target, res.state, res.new)
+        finite.extend(list(res.checks.items()))
+        finite.record("loss", loss)
+        finite.record("gradient ", grads)
+        statics = local.statics.get("aux")  # set while the slice's loss was traced
+        aux = res.aux if statics is None or not has_aux else restore_static(res.aux, statics)
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
 
 
-class GradRequest(NamedTuple):
-    """What a strategy's gradient producer (``Strategy.grad_fn``) is asked to compute.
-
-    ``grad_fn(request, params, batch) -> ((loss, aux), grads)`` runs on each device's slice
-    of the batch (inside the data-parallel ``shard_map`` in the explicit style) and must not
-    synchronise over the batch axes: ``px.value_and_grad`` does that afterwards.
-
-    Attributes:
-      value_and_grad: ``(params, batch) -> ((loss, aux), grads)``, the plain computation.
-      loss_fn: the user's loss function (a producer may look inside it, e.g. a pipeline
-        reads the stages of a ``parallax.pipeline`` loss).
-      rebuild: ``params -> what loss_fn takes`` (the NNX module, or the params themselves).
-      args: the extra arguments passed to ``loss_fn`` after the batch.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    """
-
-    value_and_grad: Callable
-    loss_fn: Callable
-    rebuild: Callable
-    args: tuple
-    has_aux: bool
-
-    @classmethod
-    def of(cls, loss_fn: Callable, rebuild: Callable, args: tuple, has_aux: bool):
-        def local_loss(p, b):
-            out = loss_fn(rebuild(p), b, *args)
-            return out if has_aux else (out, None)
-
-        return cls(jax.value_and_grad(local_loss, has_aux=True), loss_fn, rebuild, args,
-                   has_aux)
-
-
-def split_target(target):
-    """(params, rebuild): an NNX module is differentiated w.r.t. its ``nnx.Param`` state."""
-    if isinstance(target, nnx.Module):
-        graphdef, params, rest = nnx.split(target, nnx.Param, ...)
-        return params, lambda p: nnx.merge(graphdef, p, rest)
-    return target, lambda p: p
-
-
-def gradient_producer(request: GradRequest, strategy, microbatches: int | None):
-    """``(produce, split)``: the strategy's producer, or plain accumulation over ``split``
-    micro-batches; ``produce(params, batch) -> ((loss, aux), grads)`` on one batch slice."""
-    hook = strategy.grad_fn if strategy is not None else None
-    if microbatches is not None and hook is not None:
+def check_options(options: StateOptions, ctx, axes, explicit: bool) -> None:
+    """Per-replica statistics need the shards to be manual (the explicit style)."""
+    if options.batch_stats == "per_replica" and axes and not explicit:
         raise ValueError(
-            f"{API}: microbatches={microbatches} was given, but the strategy "
-            f"{strategy.name} already decides how gradients are produced; pass one of them."
-        )
-    if hook is not None:
-        return (lambda p, b: hook(request, p, b)), strategy.microbatches
-    split = microbatches or (strategy.microbatches if strategy is not None else 1)
-    return (lambda p, b: accumulate(request.value_and_grad, p, b, split, api=API)), split
+            f"{API}: batch_stats='per_replica' computes statistics on each batch shard, "
+            f"which the gspmd style does not see (it runs on the global batch); use "
+            f"{ctx.strategy.name} in the default style='explicit', or batch_stats='global'.")
 
 
 def batch_axes(ctx) -> tuple[str, ...]:
@@ -149,45 +154,68 @@ def batch_axes(ctx) -> tuple[str, ...]:
     return tuple(a for a in ctx.strategy.batch_axes if a in ctx.mesh.shape)
 
 
-def constrain_grads(grads, params, ctx):
+def constrain_grads(grads, params, ctx, source=None):
     """GSPMD style: gradients constrained to ZeRO's layout (stages 2 and 3)."""
     if ctx is None or ctx.strategy.zero is None or not ctx.strategy.zero.shards("grad"):
         return grads
-    lays = layout.param_layouts(params, ctx.strategy, ctx.mesh, API)
+    lays = layout.param_layouts(params, ctx.strategy, ctx.mesh, API, source=source)
     leaves, treedef = jax.tree.flatten(grads)
     leaves = [lax.with_sharding_constraint(g, lay.spec("grad")) for g, lay in zip(leaves, lays)]
     return jax.tree.unflatten(treedef, leaves)
 
 
-def explicit_value_and_grad(produce, params, batch, ctx, axes):
+def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=None):
     """The explicit style: local gradients inside ``shard_map`` over ``axes``, then the
-    data-parallel collectives, each a named step below."""
+    data-parallel collectives, each a named step below. ``source`` (the module) names
+    parameters a tensor-parallel plan lays out."""
     strategy, mesh = ctx.strategy, ctx.mesh
     shards = axis_size(mesh, axes)
-    lays = layout.param_layouts(params, strategy, mesh, API)
+    params = parts.params
+    lays = layout.param_layouts(params, strategy, mesh, API, source=source)
     p_leaves, p_def = jax.tree.flatten(params)
     b_leaves, b_def = jax.tree.flatten(batch)
 
-    def body(p_local, b_local):
+    def body(p_local, state, b_local):
         full = gather_params(p_local, lays, axes)
+        position = Position(lax.axis_index(axes), shards)
         with context.manual(axes):
-            (loss, aux), grads = produce(
-                jax.tree.unflatten(p_def, full), jax.tree.unflatten(b_def, b_local))
+            (loss, res), grads = produce(jax.tree.unflatten(p_def, full),
+                                         jax.tree.unflatten(b_def, b_local), state, position)
         synced = sync_grads(jax.tree.leaves(grads), lays, axes, strategy.grad_sync)
-        loss = mean_over(loss, axes, shards)
-        aux = jax.tree.map(lambda a: mean_over(to_varying(a, axes), axes, shards), aux)
-        return loss, aux, [g / shards for g in synced]
+        shared, examples = reduce_results(loss, res, leading_size(b_local), axes, shards)
+        return shared, examples, [g / shards for g in synced]
 
     b_spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
     mapped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=([lay.manual_spec("param") for lay in lays], [b_spec] * len(b_leaves)),
-        out_specs=(PartitionSpec(), PartitionSpec(), [lay.manual_spec("grad") for lay in lays]),
+        in_specs=([lay.manual_spec("param") for lay in lays], PartitionSpec(),
+                  [b_spec] * len(b_leaves)),
+        # Per-example values leave with the batch's spec: concatenated in batch order.
+        out_specs=(PartitionSpec(), b_spec, [lay.manual_spec("grad") for lay in lays]),
         axis_names=frozenset(axes),
     )
-    loss, aux, g_leaves = mapped(p_leaves, b_leaves)
-    return (loss, aux), jax.tree.unflatten(p_def, g_leaves)
+    (loss, aux, new, state, checks), (aux_examples, new_examples), g_leaves = mapped(
+        p_leaves, parts.state, b_leaves)
+    result = LocalResult(join_examples(aux, aux_examples), state,
+                         join_examples(new, new_examples), checks)
+    return (loss, result), jax.tree.unflatten(p_def, g_leaves)
+
+
+def reduce_results(loss, res: LocalResult, rows: int, axes, shards: int):
+    """``(shared, examples)``: the loss, aux values, sown values, module state and checks
+    of one shard reduced over the batch axes by kind (:mod:`parallax.aux`), and the
+    per-example values, which ``shard_map`` concatenates."""
+    aux, aux_examples = split_examples(res.aux, rows)
+    new, new_examples = split_examples(res.new, rows)
+    checks = {name: lax.pmin(to_varying(ok.astype(jnp.int32), axes), axes) > 0
+              for name, ok in res.checks.items()}
+    shared = (mean_over(loss, axes, shards),
+              over_shards(aux, axes, shards, api=API, what="auxiliary value"),
+              over_shards(new, axes, shards, api=API, what="sown value"),
+              over_shards(res.state, axes, shards, api=API, what="module variable"),
+              checks)
+    return shared, (aux_examples, new_examples)
 
 
 def gather_params(leaves, lays, axes):
@@ -244,8 +272,5 @@ def sync_groups(leaves, lays, axes, grad_sync):
 
 
 def mean_over(x, axes, shards):
-    """A loss or float aux value averaged over the batch shards; integer values summed."""
-    total = lax.psum(x, axes)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return total / shards
-    return total  # integer aux values (token counts) are summed
+    """The loss averaged over the batch shards (a mean of equal shards' means)."""
+    return lax.psum(x, axes) / shards

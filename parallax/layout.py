@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallax import rules as rules_lib
@@ -71,25 +72,64 @@ class LeafLayout:
 
 
 def param_layouts(params, strategy: Strategy, mesh, api: str,
-                  prefix: tuple = ()) -> list[LeafLayout]:
+                  prefix: tuple = (), source=None) -> list[LeafLayout]:
     """One :class:`LeafLayout` per array leaf of ``params``, in ``jax.tree.leaves`` order.
 
-    ``prefix`` is where ``params`` sits in the tree the user passed, for error messages.
+    ``prefix`` is where ``params`` sits in the tree the user passed, for error messages;
+    ``source`` is the state or module they come from, from which a strategy's
+    ``param_names`` (a tensor-parallel plan) names the parameters the model left unnamed.
     """
     table, zero = strategy.rule_table, strategy.zero
+    planned = planned_names(source, strategy, api)
     layouts = []
     for leaf in rules_lib.annotated_leaves(params):
         shape = tuple(getattr(leaf.leaf, "shape", ()))
-        if leaf.names is not None and not leaf.physical:
+        names = leaf.names
+        if names is None and planned:
+            names = planned.get(dotted_key(leaf.path))
+        if names is not None and not leaf.physical:
             for check in strategy.param_checks:  # strategy-specific messages come first
-                check(leaf.names, shape, mesh, path=prefix + leaf.path, api=api)
+                check(names, shape, mesh, path=prefix + leaf.path, api=api)
         base = rules_lib.resolve_spec(
-            leaf.names, shape, table, mesh, api=api, physical=leaf.physical,
+            names, shape, table, mesh, api=api, physical=leaf.physical,
             path=jax.tree_util.keystr(prefix + leaf.path),
         )
-        dim = zero.shard_dim(base, shape, leaf.names, mesh) if zero is not None else None
+        dim = zero.shard_dim(base, shape, names, mesh) if zero is not None else None
         layouts.append(LeafLayout(leaf.path, shape, base, dim, zero))
+    if strategy.layout_checks:
+        model = module_of(source)
+        for check in strategy.layout_checks:
+            check(layouts, mesh, api=api, prefix=prefix, model=model)
     return layouts
+
+
+def dotted_key(path: tuple) -> str:
+    """A parameter's pytree path as a dotted module path (``blocks.0.mlp.up.kernel``)."""
+    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    if parts and parts[-1] == "value":
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_of(source) -> nnx.Module | None:
+    """The NNX module a state describes (a module, or a state with ``graphdef``)."""
+    if isinstance(source, nnx.Module):
+        return source
+    graphdef = getattr(source, "graphdef", None)
+    if graphdef is not None and hasattr(source, "params"):
+        return nnx.merge(graphdef, source.params, getattr(source, "rest", nnx.State({})))
+    return None
+
+
+def planned_names(source, strategy: Strategy, api: str) -> dict:
+    """``{dotted parameter path: names}`` from the strategy's ``param_names`` sources."""
+    if not strategy.param_names:
+        return {}
+    model = module_of(source)
+    names: dict = {}
+    for names_of in strategy.param_names:
+        names.update(names_of(model, api))
+    return names
 
 
 def params_prefix(state) -> tuple:
@@ -134,7 +174,7 @@ class StateLayout:
 def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
     """Lays out a whole training state (concrete or abstract) under ``strategy``."""
     prefix = params_prefix(state)
-    layouts = param_layouts(_params_of(state, prefix), strategy, mesh, api, prefix)
+    layouts = param_layouts(_params_of(state, prefix), strategy, mesh, api, prefix, state)
     by_path = {lay.path: lay for lay in layouts}
     longest = max((len(p) for p in by_path), default=0)
     specs, roles = [], []

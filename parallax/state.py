@@ -19,6 +19,13 @@ class TrainState:
     ``state.model`` rebuilds the module inside a step. This is flax's
     ``training.train_state.TrainState`` for NNX modules.
 
+    State that a forward pass writes (BatchNorm statistics, RNG counters, variables) is
+    kept in ``rest`` and flows as with ``nnx.Optimizer``: ``state.model`` is one module per
+    state value, ``px.value_and_grad(loss)(state.model, batch)`` writes the forward pass's
+    state into it, and ``state.apply_gradients(grads)`` stores that state with the new
+    parameters. Sown intermediates (``nnx.Intermediate``) are outputs, not training state:
+    they are not kept.
+
     Attributes:
       step: the number of updates applied (int32 scalar).
       params: the ``nnx.Param`` state of the model (with its logical-axis metadata).
@@ -48,7 +55,7 @@ class TrainState:
     @classmethod
     def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *, wrt=nnx.Param):
         """Splits ``model`` into ``wrt`` state (trained) and the rest, and initialises ``tx``."""
-        graphdef, params, rest = nnx.split(model, wrt, ...)
+        graphdef, params, rest = split_without_intermediates(model, wrt)
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -61,8 +68,16 @@ class TrainState:
 
     @property
     def model(self) -> nnx.Module:
-        """A module built from the current parameters (a fresh object each time)."""
-        return nnx.merge(self.graphdef, self.params, self.rest)
+        """The module of this state: built on first use, the same object afterwards.
+
+        A forward pass may write its non-parameter state into it (``px.value_and_grad``
+        does), and :meth:`apply_gradients` keeps what it wrote.
+        """
+        built = self.__dict__.get("_model")
+        if built is None:
+            built = nnx.merge(self.graphdef, self.params, self.rest)
+            object.__setattr__(self, "_model", built)  # a cache, not a field: not traced
+        return built
 
     def apply_gradients(self, grads, *, model: nnx.Module | None = None) -> TrainState:
         """One optimizer update; ``model`` (optional) supplies updated non-trained state.
@@ -70,13 +85,35 @@ class TrainState:
         Args:
           grads: gradients with the structure of ``params`` (what ``px.value_and_grad``
             returns for ``state.model``).
-          model: a module whose non-parameter state (e.g. batch statistics mutated in the
-            forward pass) replaces ``rest``.
+          model: a module whose non-parameter state (e.g. batch statistics written by the
+            forward pass) replaces ``rest``; by default :attr:`model`, when it was built.
 
         Returns:
           A new ``TrainState`` with ``step + 1``.
         """
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         params = optax.apply_updates(self.params, updates)
-        rest = self.rest if model is None else nnx.split(model, self.wrt, ...)[2]
+        model = self.__dict__.get("_model") if model is None else model
+        rest = self.rest if model is None else self._rest_of(model)
         return self.replace(step=self.step + 1, params=params, rest=rest, opt_state=opt_state)
+
+    def _rest_of(self, model: nnx.Module):
+        """``model``'s non-trained state, in the structure of ``rest``."""
+        after = dict(nnx.to_flat_state(split_without_intermediates(model, self.wrt)[2]))
+        before = nnx.to_flat_state(self.rest)
+        missing = [path for path, _ in before if path not in after]
+        if missing:
+            raise ValueError(
+                f"TrainState.apply_gradients: the model no longer has the variable "
+                f"{'/'.join(map(str, missing[0]))}; pass a module of this state's structure.")
+        return nnx.from_flat_state([(path, after[path]) for path, _ in before])
+
+
+def split_without_intermediates(model: nnx.Module, wrt):
+    """``(graphdef, trained, rest)`` of ``model`` as if it held no sown values."""
+    graphdef, params, sown, rest = nnx.split(model, wrt, nnx.Intermediate, ...)
+    if not jax.tree.leaves(sown):
+        return graphdef, params, rest
+    clean = nnx.merge(graphdef, params, sown, rest)
+    nnx.pop(clean, nnx.Intermediate)
+    return nnx.split(clean, wrt, ...)

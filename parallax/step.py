@@ -10,12 +10,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from parallax import batch as batch_lib
-from parallax import context, layout
+from parallax import context, finite, guards, layout
 from parallax.mesh import describe
+from parallax.state import TrainState
 from parallax.strategy import Strategy
 
 
-def _strategy(strategy: Strategy | None, mesh: Mesh, api: str) -> Strategy:
+def checked_strategy(strategy: Strategy | None, mesh: Mesh, api: str) -> Strategy:
+    """``strategy`` (replicated when None), checked to be a Strategy whose axes ``mesh`` has."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{api}: mesh must be a jax.sharding.Mesh (px.make_mesh), got "
                         f"{type(mesh).__name__}.")
@@ -53,11 +55,17 @@ def init(fn: Callable, mesh: Mesh, strategy: Strategy | None = None):
       ...     px.models.MLP(4, [8], 2, rngs=nnx.Rngs(0)), optax.adam(1e-3)),
       ...     mesh, px.ZeRO(1, "data"))
     """
-    strategy = _strategy(strategy, mesh, "px.init")
+    strategy = checked_strategy(strategy, mesh, "px.init")
+    guards.check_init_fn(fn)
     # Each call of ``fn`` may build new static parts (a fresh optax optimizer compares
     # unequal to the last one), so the shardings are passed as a flat list and the result is
     # rebuilt with the tree structure of the call that produced it.
     structure = []
+
+    def checked():
+        out = fn()
+        guards.check_init_result(out)
+        return out
 
     def flat():
         leaves, treedef = jax.tree.flatten(fn())
@@ -65,7 +73,7 @@ def init(fn: Callable, mesh: Mesh, strategy: Strategy | None = None):
         return leaves
 
     with nnx.use_eager_sharding(False):
-        abstract = jax.eval_shape(fn)
+        abstract = jax.eval_shape(checked)
         specs = layout.state_layout(abstract, strategy, mesh, "px.init").specs
         with jax.set_mesh(mesh):
             leaves = jax.jit(flat, out_shardings=[NamedSharding(mesh, s) for s in specs])()
@@ -81,7 +89,7 @@ def shard(tree, mesh: Mesh, strategy: Strategy | None = None):
       >>> params["w"].sharding.spec
       P('data',)
     """
-    strategy = _strategy(strategy, mesh, "px.shard")
+    strategy = checked_strategy(strategy, mesh, "px.shard")
     return jax.device_put(tree, layout.state_shardings(tree, strategy, mesh, "px.shard"))
 
 
@@ -94,17 +102,25 @@ class TrainStep:
     ``jax.jit``'s ``Lowered`` so the compiled program can be inspected
     (``.compile().as_text()``, ``.memory_analysis()``).
 
-    A call costs what ``jax.jit``'s dispatch costs and nothing of parallax's own: the jitted
-    function is built once, ``jax.jit``'s C++ cache keys each call on the arguments' tree
-    structure, shapes, dtypes and shardings, and parallax's checks (the batch against the
-    strategy, the returned state's structure) and layout run while ``jit`` traces, that is
-    only when a new signature makes it retrace.
+    A call costs what ``jax.jit``'s dispatch costs and almost nothing of parallax's own: the
+    jitted function is built once, ``jax.jit``'s C++ cache keys each call on the arguments'
+    tree structure, shapes, dtypes and shardings, and parallax's checks (the batch against
+    the strategy, the returned state's structure) and layout run while ``jit`` traces, that
+    is only when a new signature makes it retrace. Before a call, one O(1) check refuses a
+    state donated to an earlier call (its buffers are deleted); after ``jit`` fails, the
+    checks of :mod:`parallax.guards` replace JAX's message where they know better.
     """
 
-    def __init__(self, fn: Callable, mesh: Mesh, strategy: Strategy, donate: bool):
+    def __init__(self, fn: Callable, mesh: Mesh, strategy: Strategy, donate: bool,
+                 check_finite: bool = False):
+        guards.check_step_fn(fn)
         self.fn, self.mesh, self.strategy, self.donate = fn, mesh, strategy, donate
+        self.check_finite = check_finite
         self._context = context.StepContext(mesh, strategy)
         self._multiprocess = jax.process_count() > 1
+        self._local_signature = None  # this process's batch shapes, last checked
+        self._donated = None  # the last state donated: its buffers are deleted
+        self._last_shapes: dict | None = None  # the batch's shapes at the last good trace
         # The state keeps its own (committed) shardings on the way in, and is constrained to
         # the strategy's layout on the way out; every batch leaf gets the one batch sharding.
         self._jitted = jax.jit(
@@ -122,7 +138,8 @@ class TrainStep:
         """The step as ``jit`` traces it: checks, the strategy's context, the layout."""
         self._check(batch)
         state_sh = self.state_shardings(state)
-        with context.activate(self._context):
+        with context.activate(self._context), finite.scope(self.check_finite) as records:
+            finite.record("batch ", batch)
             out = self.fn(state, batch, *args)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
@@ -136,23 +153,64 @@ class TrainStep:
                 f"structure from the state passed in:\n  in:  {jax.tree.structure(state)}\n  "
                 f"out: {jax.tree.structure(new_state)}"
             )
-        return jax.lax.with_sharding_constraint(new_state, state_sh), metrics
+        self._last_shapes = guards.batch_shapes(batch)
+        new_state = jax.lax.with_sharding_constraint(new_state, state_sh)
+        if not self.check_finite:
+            return new_state, metrics
+        # Numbered names keep the recording order through jit's sorted dict keys.
+        return new_state, metrics, {f"{i:05d} {name}": ok for i, (name, ok) in enumerate(records)}
 
     def __call__(self, state, batch, *args):
+        if state is self._donated or (type(state) is TrainState and state.step.is_deleted()):
+            raise guards.donated_error()
         if self._multiprocess:
-            batch = batch_lib.assemble(batch, self.strategy, self.mesh)
+            batch = self._assemble(batch)
         try:
             with jax.set_mesh(self.mesh):
-                return self._jitted(state, batch, *args)
+                out = self._jitted(state, batch, *args)
         except (TypeError, ValueError) as error:
             # jit checks the arguments against their shardings before tracing, with
             # messages about pjit; parallax's own checks say what is wrong and the fix.
-            self._check(batch)
-            raise error
+            self._explain(state, batch, error)
+            raise
+        if self.donate and out[0] is not state:  # a real program returns new buffers
+            self._donated = state
+        return self._finite(out) if self.check_finite else out
+
+    def _assemble(self, batch):
+        """The global batch from this process's share. The processes' shapes are compared
+        (one small all-gather) on the first call and whenever this process's shapes change:
+        every process then checks, as long as they change their shapes together."""
+        signature = batch_lib.local_signature(batch)
+        batch = batch_lib.assemble(batch, self.strategy, self.mesh,
+                                   check=signature != self._local_signature)
+        self._local_signature = signature
+        return batch
+
+    def _explain(self, state, batch, error) -> None:
+        """The checks that run at trace time or only on the error path of a call."""
+        self._check(batch)
+        guards.check_state_mesh(state, self.mesh)
+        guards.explain_failure(batch, error, self._last_shapes)
 
     def _check(self, batch) -> None:
         """The checks that run at trace time, for errors ``jit`` raises before tracing."""
         batch_lib.check_batch(batch, self.strategy, self.mesh, "px.train_step")
+
+    def _finite(self, out):
+        """``check_finite``: raises naming the first record that failed."""
+        new_state, metrics, report = out
+        report = {name.split(" ", 1)[1]: bool(ok) for name, ok in
+                  sorted(jax.device_get(report).items())}
+        failed = finite.first_failure(report)
+        if failed is not None:
+            raise ValueError(
+                f"px.train_step(check_finite=True): {failed} is not finite (or its check "
+                "failed): the values after it (loss, gradients, the new state) are not to "
+                "be trusted. Checked in order: the batch, the model's checks, the loss, the "
+                "gradients." + (" The input state was donated; decorate with donate=False "
+                                "to keep it." if self.donate else ""))
+        return new_state, metrics
 
     def lower(self, state, batch, *args):
         """``jax.jit(...).lower``: the program this step runs, before compilation.
@@ -177,7 +235,8 @@ class TrainStep:
                 f"mesh={describe(self.mesh)}, strategy={self.strategy.name})")
 
 
-def train_step(mesh: Mesh, strategy: Strategy | None = None, *, donate: bool = True):
+def train_step(mesh: Mesh, strategy: Strategy | None = None, *, donate: bool = True,
+               check_finite: bool = False):
     """Decorates ``step(state, batch, *args) -> (state, metrics)`` as a jitted SPMD step.
 
     Inside the step the strategy is active: ``px.value_and_grad`` produces and synchronises
@@ -188,7 +247,11 @@ def train_step(mesh: Mesh, strategy: Strategy | None = None, *, donate: bool = T
       strategy: how to lay out state and batch and synchronise gradients; replicated when
         None.
       donate: donate the input state's buffers to the output (the default; the old state
-        must not be used after the call).
+        must not be used after the call: passing it again is an error).
+      check_finite: after each call, raise naming the first non-finite value among the
+        batch, the model's checks (the reference GPT's token ids), the loss and the
+        gradients of ``px.value_and_grad`` (see :mod:`parallax.finite`). Off by default:
+        it waits for every step to finish.
 
     Returns:
       A decorator producing a :class:`TrainStep`.
@@ -206,9 +269,9 @@ def train_step(mesh: Mesh, strategy: Strategy | None = None, *, donate: bool = T
       >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.zeros((16, 2))}
       >>> state, metrics = step(state, batch)
     """
-    strategy = _strategy(strategy, mesh, "px.train_step")
+    strategy = checked_strategy(strategy, mesh, "px.train_step")
 
     def decorator(fn: Callable) -> TrainStep:
-        return TrainStep(fn, mesh, strategy, donate)
+        return TrainStep(fn, mesh, strategy, donate, check_finite)
 
     return decorator

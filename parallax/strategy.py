@@ -25,7 +25,16 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   (``px.BucketedSync``: DDP's buckets, Horovod's fusion; see ``parallax.strategies.sync``);
 - ``param_checks``: checks a strategy adds for every annotated parameter before it is laid
   out, called as ``check(names, shape, mesh, path=..., api=...)``; they raise with a fix
-  specific to the strategy (tensor parallel: pad the vocabulary, change the head count).
+  specific to the strategy (tensor parallel: pad the vocabulary, change the head count);
+- ``param_names``: sources of logical names for parameters the model did not annotate,
+  called as ``names(model, api) -> {dotted parameter path: names}`` with the NNX module
+  (``TensorParallel(plan=...)``: Megatron's styles by module path);
+- ``layout_checks``: checks of the whole layout, called as ``check(layouts, mesh, api=,
+  prefix=, model=)`` with the NNX module when there is one (``TensorParallel``: something
+  must be split over its axis);
+- ``module_hooks``: called as ``hook(model)`` on the NNX module ``px.value_and_grad``
+  rebuilds inside the traced loss, before the loss runs (a tensor-parallel plan with
+  sequence parallelism pins activation layouts on the stock modules it styles).
 
 Example:
   >>> import parallax as px
@@ -92,6 +101,9 @@ class Strategy:
         batch axes in the explicit style (None: one ``psum`` per leaf).
       param_checks: per-parameter checks run by ``px.init``, ``px.shard`` and
         ``px.train_step`` before the generic divisibility check of the rules.
+      param_names: sources of names for unannotated parameters (tensor-parallel plans).
+      layout_checks: checks of the whole parameter layout.
+      module_hooks: preparations of the module rebuilt inside ``px.value_and_grad``.
     """
 
     name: str = "Replicated()"
@@ -103,6 +115,9 @@ class Strategy:
     microbatches: int = 1
     grad_sync: Callable | None = None
     param_checks: tuple[Callable, ...] = ()
+    param_names: tuple[Callable, ...] = ()
+    layout_checks: tuple[Callable, ...] = ()
+    module_hooks: tuple[Callable, ...] = ()
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -253,6 +268,9 @@ def compose(*strategies: Strategy) -> Strategy:
         microbatches=producers[0].microbatches if producers else 1,
         grad_sync=syncs[0] if syncs else None,
         param_checks=tuple(dict.fromkeys(c for s in strategies for c in s.param_checks)),
+        param_names=tuple(dict.fromkeys(c for s in strategies for c in s.param_names)),
+        layout_checks=tuple(dict.fromkeys(c for s in strategies for c in s.layout_checks)),
+        module_hooks=tuple(dict.fromkeys(c for s in strategies for c in s.module_hooks)),
     )
 
 

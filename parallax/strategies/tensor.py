@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 
 from parallax.rules import annotated_leaves, as_tuple, readable_path
+from parallax.strategies.tensor_plan import TensorPlan
+from parallax.strategies.tensor_sequence import SequenceLayouts
 from parallax.strategy import Strategy
 
 SPLIT_NAMES = ("heads", "mlp", "vocab")
@@ -39,7 +41,8 @@ _FIXES = {
 }
 
 
-def TensorParallel(axis: str = "tensor", *, sequence_parallel: bool = False) -> Strategy:
+def TensorParallel(axis: str = "tensor", *, sequence_parallel: bool = False,
+                   plan: dict | str | None = None) -> Strategy:
     """Shards attention heads, the MLP width and the vocabulary over ``axis``.
 
     ``"embed"`` stays replicated. The query/key/value and MLP input kernels are split by
@@ -47,9 +50,16 @@ def TensorParallel(axis: str = "tensor", *, sequence_parallel: bool = False) -> 
     ``sequence_parallel=True`` the residual stream's ``"sequence"`` axis is sharded over
     ``axis`` too (LayerNorm and residual adds on ``1/T`` of the positions).
 
+    A model annotated with logical names (``nnx.with_partitioning``, like
+    ``px.models.GPT``) needs nothing more. A model of stock Flax layers with no annotations
+    needs a ``plan`` (:mod:`parallax.strategies.tensor_plan`): module-path patterns to
+    ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"attention"`` or ``"replicate"``, or the
+    preset ``"transformer"``. Finding nothing to split over ``axis`` is an error.
+
     Args:
       axis: the mesh axis to shard over.
       sequence_parallel: also shard the sequence of the residual stream.
+      plan: Megatron's styles for the modules of an unannotated NNX model.
 
     Returns:
       A :class:`parallax.Strategy` holding only rules (it does not split the batch).
@@ -60,15 +70,53 @@ def TensorParallel(axis: str = "tensor", *, sequence_parallel: bool = False) -> 
       'tensor'
       >>> px.TensorParallel("tensor", sequence_parallel=True).name
       "TensorParallel('tensor', sequence_parallel=True)"
+      >>> px.TensorParallel("tensor", plan={"mlp.up": "colwise", "mlp.down": "rowwise"}).name
+      "TensorParallel('tensor', plan={'mlp.up': 'colwise', 'mlp.down': 'rowwise'})"
 
     References:
       Shoeybi et al., "Megatron-LM", 2019. Korthikanti et al., 2022 (sequence parallelism).
+      Liang et al., "TorchTitan", 2024 (plans as data).
     """
     rules = [(name, axis) for name in SPLIT_NAMES]
     if sequence_parallel:
         rules.append(("sequence", axis))
-    name = f"TensorParallel({axis!r}" + (", sequence_parallel=True)" if sequence_parallel else ")")
-    return Strategy(name=name, rules=tuple(rules), param_checks=(MegatronCheck(axis),))
+    plans = (TensorPlan.of(plan, axis),) if plan is not None else ()
+    hooks = tuple(SequenceLayouts(p, axis) for p in plans) if sequence_parallel else ()
+    extra = (", sequence_parallel=True" if sequence_parallel else "") + (
+        f", plan={plan!r}" if plan is not None else "")
+    return Strategy(name=f"TensorParallel({axis!r}{extra})", rules=tuple(rules),
+                    param_checks=(MegatronCheck(axis),), param_names=plans,
+                    layout_checks=(SplitsSomething(axis),), module_hooks=hooks)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitsSomething:
+    """``TensorParallel``'s layout check: an NNX model must have something split over its axis.
+
+    Without it, a model of stock layers under ``TensorParallel`` replicates every parameter
+    with no error, no warning and no collective on the tensor axis. A plain parameter tree
+    (no module) is left as it is: ``TensorParallel``'s rules may be there for activations
+    only, and such a tree has no layers a plan could name.
+    """
+
+    axis: str
+
+    def __call__(self, layouts, mesh, *, api: str = "px.TensorParallel", prefix: tuple = (),
+                 model=None):
+        if model is None or not layouts:
+            return
+        if self.axis not in mesh.shape or mesh.shape[self.axis] == 1:
+            return
+        if any(self.axis in as_tuple(e) for lay in layouts for e in lay.base):
+            return
+        paths = [readable_path(prefix + lay.path) for lay in layouts]
+        raise ValueError(
+            f"{api}: TensorParallel({self.axis!r}) finds nothing to split over the mesh axis "
+            f"{self.axis}={mesh.shape[self.axis]}: no parameter is named 'heads', 'mlp' or "
+            f"'vocab'. The model's parameters are {paths[:8]}{' ...' if len(paths) > 8 else ''}."
+            " Fix: annotate them (nnx.with_partitioning(init, ('embed', 'mlp'))), or give "
+            "a plan: px.TensorParallel(axis, plan={'blocks.*.mlp.up': 'colwise', "
+            "'blocks.*.mlp.down': 'rowwise', ...}) or plan='transformer'.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,104 @@
+"""How gradients are produced on one slice of the batch: a strategy's producer, or
+accumulation over micro-batches.
+
+``px.value_and_grad`` (:mod:`parallax.grad`) synchronises gradients over the batch axes;
+what runs on each device's slice before that is decided here. A strategy with a
+``grad_fn`` (gradient accumulation, pipeline schedules) receives a :class:`GradRequest`;
+otherwise the slice's loss is accumulated over micro-batches
+(:func:`parallax.microbatch.accumulate`). Either way the result carries the module's
+non-parameter state (:class:`parallax.local_loss.LocalResult`); a producer that rebuilds the
+module itself and cannot carry that state (the pipelines, for now) is refused a model that
+has any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from parallax.local_loss import LocalResult, SliceLoss
+from parallax.microbatch import accumulate
+from parallax.mutable import Target
+
+API = "px.value_and_grad"
+
+
+class GradRequest(NamedTuple):
+    """What a strategy's gradient producer (``Strategy.grad_fn``) is asked to compute.
+
+    ``grad_fn(request, params, batch) -> ((loss, aux), grads)`` runs on each device's slice
+    of the batch (inside the data-parallel ``shard_map`` in the explicit style) and must not
+    synchronise over the batch axes: ``px.value_and_grad`` does that afterwards.
+
+    Attributes:
+      value_and_grad: ``(params, batch) -> ((loss, aux), grads)``, the plain computation on
+        the slice (a :class:`parallax.local_loss.SliceLoss`: its ``aux`` is a
+        ``LocalResult`` carrying the module's state; ``parallax.microbatch.accumulate``
+        threads it through micro-batches).
+      loss_fn: the user's loss function (a producer may look inside it, e.g. a pipeline
+        reads the stages of a ``parallax.pipeline`` loss).
+      rebuild: ``params -> what loss_fn takes`` (the NNX module, or the params themselves)
+        for producers that do not carry module state; it raises for a module whose
+        forward pass writes state (BatchNorm, RNG streams).
+      args: the extra arguments passed to ``loss_fn`` after the batch.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    """
+
+    value_and_grad: Callable
+    loss_fn: Callable
+    rebuild: Callable
+    args: tuple
+    has_aux: bool
+
+
+def split_target(target):
+    """(params, rebuild): an NNX module is differentiated w.r.t. its ``nnx.Param`` state.
+
+    For producers that rebuild the module themselves and carry no state (pipelines): a
+    module holding BatchNorm statistics or RNG streams is refused with a message.
+    """
+    parts = Target.of(target)
+    return parts.params, stateless_rebuild(parts, "this gradient producer")
+
+
+def stateless_rebuild(parts: Target, who: str) -> Callable:
+    """``parts.rebuild``, refusing a module whose forward pass would write state."""
+    if not parts.has_stateful():
+        return parts.rebuild
+
+    def refuse(params):
+        raise NotImplementedError(
+            f"{API}: {who} produces gradients by rebuilding the model itself (as "
+            f"px.Pipeline's schedules do), which cannot carry a module's non-parameter state "
+            f"yet (mutable state under pipelines is not supported): the model holds "
+            f"{', '.join(parts.stateful_paths()[:4])}. Use "
+            "stages without BatchNorm or stored RNG streams (nnx.LayerNorm; dropout via "
+            "px.nn.dropout with a key passed in), or a strategy without px.Pipeline.")
+
+    return refuse
+
+
+def gradient_producer(local: SliceLoss, strategy, microbatches: int | None):
+    """``(produce, split)``: ``produce(params, batch, state, position) -> ((loss,
+    LocalResult), grads)`` on one batch slice, by the strategy's producer or by plain
+    accumulation over ``split`` micro-batches."""
+    hook = strategy.grad_fn if strategy is not None else None
+    if microbatches is not None and hook is not None:
+        raise ValueError(
+            f"{API}: microbatches={microbatches} was given, but the strategy "
+            f"{strategy.name} already decides how gradients are produced; pass one of them."
+        )
+    if hook is not None:
+        rebuild = stateless_rebuild(local.target, strategy.name)
+
+        def produce(params, batch, state, position):
+            request = GradRequest(local.at(state, position), local.loss_fn, rebuild,
+                                  local.args, local.has_aux)
+            (loss, aux), grads = hook(request, params, batch)
+            if not isinstance(aux, LocalResult):  # a producer that carries no state
+                aux = LocalResult(aux, state, None, {})
+            return (loss, aux), grads
+
+        return produce, strategy.microbatches
+    split = microbatches or (strategy.microbatches if strategy is not None else 1)
+    return (lambda p, b, s, pos: accumulate(local.at(s, pos), p, b, split, api=API)), split

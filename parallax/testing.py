@@ -95,7 +95,7 @@ def train(
       A :class:`Trajectory`.
     """
     if mesh is None:
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]  # in a multi-process run, one of this process
         with jax.default_device(device):
             state = make_state()
         _, params_of, update = _kind(state, tx)

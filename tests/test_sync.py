@@ -35,7 +35,8 @@ def test_bucketed_sync_trains_like_one_device(name):
 
 def _gradient_all_reduces(bucket_bytes):
     mesh = px.make_mesh(data=8)
-    strategy = px.DataParallel("data", sync=px.BucketedSync(bucket_bytes=bucket_bytes))
+    strategy = px.DataParallel(
+        "data", sync=px.BucketedSync(bucket_bytes=bucket_bytes, packing="flat"))
     state = px.init(fx.mlp_state, mesh, strategy)
 
     @px.train_step(mesh, strategy)

@@ -26,8 +26,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from parallax.comm import _validate
+from parallax.comm.compress import Wire, as_compression
 from parallax.comm.wrappers import all_reduce
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb=25
@@ -113,9 +115,21 @@ def bucket_plan(tree, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     return buckets
 
 
+PACKINGS = ("flat", "operands")
+
+
+def _reduce_operands(pieces, axis, op: str, compression):
+    """One ``psum`` (``pmean``, ...) over a bucket's pieces, each in its own shape: XLA reduces
+    them as one variadic all-reduce (after its combiner), with no copy into a flat buffer."""
+    comp = as_compression("bucketed_all_reduce", compression)
+    sent = [Wire(comp, p.dtype).send(p) for p in pieces]
+    reduce = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}[op]
+    return [r.astype(p.dtype) for r, p in zip(reduce(sent, axis), pieces)]
+
+
 def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
                         reverse: bool = True, op: str = "sum", algorithm: str = "xla",
-                        compression=None):
+                        compression=None, packing: str = "flat"):
     """All-reduces a pytree as flat buckets: one collective per bucket (tensor fusion).
 
     Args:
@@ -128,6 +142,13 @@ def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET
       algorithm: as in :func:`all_reduce` (``"xla"``, ``"ring"``, ``"tree"``, ``"auto"``,
         ``"hierarchical"``), per bucket.
       compression: ``None`` or a :class:`Compression`.
+      packing: ``"flat"`` (the fusion buffer: each bucket's pieces are concatenated into one
+        flat array, one collective of any ``algorithm``) or ``"operands"`` (``"xla"`` only:
+        each bucket is one ``psum`` over its pieces in their own shapes, which XLA lowers to
+        one variadic all-reduce when its combiner runs, as it does by default; no copy).
+        On CPU the flat buffer's ``concatenate`` costs a pass over every gradient (measured
+        in ``docs/distributed.md``); ``"operands"`` compiles to the same program as one
+        ``psum`` per leaf.
 
     Returns:
       The reduced tree, same structure, shapes and dtypes.
@@ -150,14 +171,43 @@ def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET
     """
     api = "bucketed_all_reduce"
     _validate.check_op(api, op)
+    _validate.check_choice(api, "packing", packing, PACKINGS)
+    if packing == "operands" and (algorithm != "xla" or op == "prod"):
+        raise ValueError(
+            f"{api}: packing='operands' reduces with XLA's all-reduce (algorithm='xla', op "
+            f"sum/mean/max/min); got algorithm={algorithm!r}, op={op!r}. Use packing='flat' "
+            "for point-to-point algorithms and products.")
+    if packing == "operands":
+        return over_buckets(tree, lambda pieces: _reduce_operands(pieces, axis, op, compression),
+                            bucket_bytes=bucket_bytes, reverse=reverse, flat=False)
+    return over_buckets(
+        tree, lambda flat: all_reduce(flat, axis, op, algorithm=algorithm, compression=compression),
+        bucket_bytes=bucket_bytes, reverse=reverse)
+
+
+def over_buckets(tree, reduce_bucket, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+                 reverse: bool = True, flat: bool = True):
+    """``tree`` packed into buckets (:func:`bucket_plan`), ``reduce_bucket`` applied to each,
+    and the results put back in the tree's leaves, shapes and dtypes.
+
+    With ``flat`` (the fusion buffer) ``reduce_bucket`` gets one flat array per bucket, the
+    bucket's pieces concatenated, and returns an array of the same size; otherwise it gets
+    the list of pieces (whole leaves in their shapes, or flat slices of a split leaf) and
+    returns a list like it.
+    """
     leaves, treedef = jax.tree.flatten(tree)
     leaves = [jnp.asarray(v) for v in leaves]
     flats = [jnp.ravel(v) for v in leaves]
     parts: dict[int, list[tuple[int, jax.Array]]] = {i: [] for i in range(len(leaves))}
     for bucket in bucket_plan(leaves, bucket_bytes, reverse):
+        if not flat:
+            pieces = [leaves[i] if stop - start == leaves[i].size else flats[i][start:stop]
+                      for i, start, stop in bucket.pieces]
+            for (i, start, _), reduced in zip(bucket.pieces, reduce_bucket(pieces)):
+                parts[i].append((start, jnp.ravel(reduced)))
+            continue
         pieces = [flats[i][start:stop] for i, start, stop in bucket.pieces]
-        flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-        reduced = all_reduce(flat, axis, op, algorithm=algorithm, compression=compression)
+        reduced = reduce_bucket(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
         offset = 0
         for i, start, stop in bucket.pieces:
             parts[i].append((start, reduced[offset:offset + stop - start]))
@@ -168,6 +218,6 @@ def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET
         if not chunks:  # an empty leaf
             out.append(v)
             continue
-        flat = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
-        out.append(flat.reshape(v.shape))
+        joined = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
+        out.append(joined.reshape(v.shape))
     return jax.tree.unflatten(treedef, out)

@@ -40,6 +40,12 @@ class BucketedSync:
       compression: ``None``, ``"bf16"`` or ``"fp16"``: cast on the wire. With XLA's
         all-reduce the sum is taken in the wire dtype on GPU and TPU; the CPU compiler
         widens bf16 all-reduces to float32 (see ``docs/comm.md``).
+      packing: ``"operands"`` (the default: each bucket is one ``psum`` over its gradients
+        in their own shapes, one variadic all-reduce after XLA's combiner; no copy) or
+        ``"flat"`` (DDP's bucket buffer: the gradients concatenated into one flat array per
+        bucket, one all-reduce instruction each even with the combiner off). Measured on CPU
+        (``docs/distributed.md``), the flat buffer's concatenate made a step slower than the
+        plain sync; ``"operands"`` compiles to the plain sync's program.
 
     A value (equal settings compare equal), so strategies holding it compose and compare.
 
@@ -51,6 +57,7 @@ class BucketedSync:
     bucket_bytes: int | None = bucket.DEFAULT_BUCKET_BYTES
     reverse: bool = True
     compression: str | None = None
+    packing: str = "operands"
 
     def __post_init__(self):
         size = self.bucket_bytes
@@ -62,8 +69,13 @@ class BucketedSync:
             raise ValueError(
                 f"px.BucketedSync: compression={self.compression!r} must be None, 'bf16' or "
                 "'fp16'.")
+        if self.packing not in bucket.PACKINGS:
+            raise ValueError(
+                f"px.BucketedSync: packing={self.packing!r} must be 'operands' (one psum over "
+                "each bucket's gradients) or 'flat' (a concatenated bucket buffer).")
 
     def __call__(self, grads: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
         return bucket.bucketed_all_reduce(
             list(grads), axes if len(axes) > 1 else axes[0], bucket_bytes=self.bucket_bytes,
-            reverse=self.reverse, algorithm="xla", compression=self.compression)
+            reverse=self.reverse, algorithm="xla", compression=self.compression,
+            packing=self.packing)

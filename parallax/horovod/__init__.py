@@ -1,0 +1,90 @@
+"""parallax.horovod: Horovod's API on JAX's runtime (``import parallax.horovod as hvd``).
+
+A Horovod script keeps its shape:
+
+    import parallax.horovod as hvd
+    hvd.init()                                                  # px.distributed.initialize()
+    tx = hvd.DistributedOptimizer(optax.adam(1e-3 * hvd.size()))
+    params = hvd.broadcast_parameters(params, root_rank=0)
+    opt_state = tx.init(params)
+
+    @hvd.jit                                                    # one program over every rank
+    def step(params, opt_state, batch):                         # batch: this rank's rows
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, hvd.allreduce(loss)
+
+and runs with ``parallax launch -np 4 python train.py`` (Horovod's ``horovodrun -np 4``).
+Ranks are processes (``rank()``, ``size()``); inside ``@hvd.jit`` the reductions run over
+every device of every process (with one device per process, as in Horovod, the same thing).
+Collectives are XLA's, started by ``jax.distributed``: no transport of our own.
+Elastic training: ``hvd.elastic.State`` / ``hvd.elastic.run`` (docs/checkpoint.md).
+
+Example:
+  >>> import parallax.horovod as hvd
+  >>> hvd.init()
+  >>> hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()
+  (0, 1, 0, 1)
+"""
+
+from parallax.distributed.runtime import local_rank as local_rank
+from parallax.distributed.runtime import local_size as local_size
+from parallax.distributed.runtime import rank as rank
+from parallax.distributed.runtime import size as size
+from parallax.horovod import elastic as elastic
+from parallax.horovod.broadcast import broadcast_object as broadcast_object
+from parallax.horovod.broadcast import broadcast_optimizer_state as broadcast_optimizer_state
+from parallax.horovod.broadcast import broadcast_parameters as broadcast_parameters
+from parallax.horovod.collectives import AXIS as AXIS
+from parallax.horovod.collectives import allgather as allgather
+from parallax.horovod.collectives import allreduce as allreduce
+from parallax.horovod.collectives import alltoall as alltoall
+from parallax.horovod.collectives import broadcast as broadcast
+from parallax.horovod.ops import Adasum as Adasum
+from parallax.horovod.ops import Average as Average
+from parallax.horovod.ops import Compression as Compression
+from parallax.horovod.ops import Max as Max
+from parallax.horovod.ops import Min as Min
+from parallax.horovod.ops import Product as Product
+from parallax.horovod.ops import ReduceOp as ReduceOp
+from parallax.horovod.ops import Sum as Sum
+from parallax.horovod.optimizer import DistributedOptimizer as DistributedOptimizer
+from parallax.horovod.optimizer import DistributedOptimizerState as DistributedOptimizerState
+from parallax.horovod.per_rank import PerRank as PerRank
+from parallax.horovod.program import jit as jit
+from parallax.horovod.program import mesh as mesh
+from parallax.horovod.runtime import init as init
+from parallax.horovod.runtime import is_initialized as is_initialized
+from parallax.horovod.runtime import shutdown as shutdown
+
+__all__ = [
+    "AXIS",
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "DistributedOptimizerState",
+    "Max",
+    "Min",
+    "PerRank",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "broadcast",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "elastic",
+    "init",
+    "is_initialized",
+    "jit",
+    "local_rank",
+    "local_size",
+    "mesh",
+    "rank",
+    "shutdown",
+    "size",
+]

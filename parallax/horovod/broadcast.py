@@ -1,0 +1,72 @@
+"""Horovod's broadcasts of state: parameters, optimizer state, any Python object.
+
+Processes that start from different seeds (or a restarted process) train one model once
+every process holds rank 0's parameters and optimizer state; these are
+``px.distributed.broadcast`` under Horovod's names.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import jax
+import numpy as np
+
+from parallax.distributed.broadcasting import broadcast
+
+
+def broadcast_parameters(params, root_rank: int = 0):
+    """Every process's ``params`` become ``root_rank``'s (returned: JAX arrays are values).
+
+    Args:
+      params: a pytree (numpy, process-local or global ``jax.Array`` s, e.g. a
+        ``px.TrainState`` from ``px.init``).
+      root_rank: the process whose values win.
+
+    Returns:
+      The tree with root's values, each leaf keeping its kind and sharding.
+
+    Example:
+      >>> import numpy as np, parallax.horovod as hvd
+      >>> hvd.broadcast_parameters({"w": np.zeros(2)})["w"]
+      array([0., 0.])
+
+    References:
+      Horovod ``broadcast_parameters``; PyTorch DDP's broadcast of the module state.
+    """
+    return broadcast(params, root_rank)
+
+
+def broadcast_optimizer_state(opt_state, root_rank: int = 0):
+    """Every process's optimizer state becomes ``root_rank``'s.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, parallax.horovod as hvd
+      >>> state = hvd.broadcast_optimizer_state(optax.adam(1e-3).init({"w": jnp.ones(2)}))
+
+    References:
+      Horovod ``broadcast_optimizer_state``.
+    """
+    return broadcast(opt_state, root_rank)
+
+
+def broadcast_object(obj, root_rank: int = 0):
+    """Any picklable object from ``root_rank`` to every process (Horovod's ``broadcast_object``).
+
+    Example:
+      >>> import parallax.horovod as hvd
+      >>> hvd.broadcast_object({"epoch": 3})
+      {'epoch': 3}
+
+    References:
+      Horovod ``broadcast_object``.
+    """
+    if jax.process_count() == 1:
+        return obj
+    data = np.frombuffer(pickle.dumps(obj), np.uint8) if jax.process_index() == root_rank else \
+        np.zeros(0, np.uint8)
+    size = int(broadcast(np.int64(data.size), root_rank))
+    buffer = np.zeros(size, np.uint8)
+    if jax.process_index() == root_rank:
+        buffer[:] = data
+    return pickle.loads(broadcast(buffer, root_rank).tobytes())

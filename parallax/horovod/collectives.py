@@ -1,0 +1,309 @@
+"""Horovod's collectives: ``allreduce``, ``allgather``, ``broadcast``, ``alltoall``.
+
+Each works in two places, like Horovod's ops inside and outside ``tf.function``:
+
+- **eagerly, on process-local values** (numpy, Python numbers, arrays on this process's
+  devices): the ranks are the processes. Each value becomes its process's row of a global
+  array (:mod:`parallax.distributed.local_arrays`) and one jitted program reduces, gathers or
+  selects rows; XLA runs the collective (gloo on CPU, NCCL on GPU). Results come back in the
+  input's kind.
+- **inside a program over the Horovod axis** (``@hvd.jit``, or any ``shard_map`` binding the
+  axis ``"data"``): the ranks are the devices along that axis, and the ops are
+  ``parallax.comm``'s collectives (``psum``, ``all_gather``, ...), or Adasum's ppermute rounds.
+
+Called on traced values anywhere else (plain ``jax.jit``), they raise: a process-local jit
+has no other ranks to talk to.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from parallax import comm
+from parallax.comm import _validate
+from parallax.distributed import local_arrays
+from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
+from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
+
+AXIS = "data"  # the mesh axis of @hvd.jit: every device of every process
+
+
+def in_program(api: str, tree, axis_name: str) -> bool:
+    """True inside a program that binds ``axis_name``; False for eager process-local values."""
+    if axis_name in _validate.available_axes():
+        return True
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+        raise ValueError(
+            f"{api}: called on traced values where the Horovod axis {axis_name!r} is not bound "
+            "(inside a plain jax.jit each process runs alone, with no other ranks). Run the "
+            "step with @hvd.jit (one program over every device of every process), or call "
+            f"{api} outside jit on process-local arrays.")
+    return False
+
+
+@functools.cache
+def _program(kind: str, *static):
+    """One jitted program per kind and static arguments (jit caches by function identity)."""
+    if kind == "reduce":
+        fn = functools.partial(_reduce_rows, op=static[0], wide=static[1])
+    elif kind == "pick":
+        fn = functools.partial(_pick, root=static[0])
+    else:
+        fn = _gather
+    return jax.jit(fn, out_shardings=local_arrays.replicated())
+
+
+def _pick(rows, root: int):
+    return rows[root]
+
+
+def _gather(rows):
+    return rows
+
+
+def _eager(program, value, out_like):
+    """Runs ``program`` on the processes' rows of ``value``; returns this process's copy."""
+    out = program(local_arrays.stack(value))
+    return local_arrays.like(local_arrays.local_copy(out), out_like)
+
+
+def _reduce_rows(rows, op: ReduceOp, wide):
+    rows = rows.astype(wide)
+    if op in (ReduceOp.Sum, ReduceOp.Average):
+        total = jnp.sum(rows, axis=0)
+        return total / rows.shape[0] if op is ReduceOp.Average else total
+    if op is ReduceOp.Adasum:
+        return adasum_stack(rows)
+    return {ReduceOp.Min: jnp.min, ReduceOp.Max: jnp.max, ReduceOp.Product: jnp.prod}[op](
+        rows, axis=0)
+
+
+def _reduce_on_host(api: str, sent: np.ndarray, op: ReduceOp, wide) -> np.ndarray:
+    """Reduces 64-bit values that JAX would compute in 32 bits: gather bytes, reduce in numpy."""
+    if op is ReduceOp.Adasum:
+        raise TypeError(f"{api}: hvd.Adasum of a {sent.dtype} tensor needs jax_enable_x64 on "
+                        "every process (or pass float32).")
+    every = local_arrays.from_bytes(
+        _eager(_program("gather"), local_arrays.as_bytes(sent), out_like=np.zeros(0)),
+        sent.dtype, (jax.process_count(),) + sent.shape).astype(wide)
+    reduce = {ReduceOp.Sum: np.sum, ReduceOp.Average: np.mean, ReduceOp.Min: np.min,
+              ReduceOp.Max: np.max, ReduceOp.Product: np.prod}[op]
+    return reduce(every, axis=0)
+
+
+def _reduce_in_program(x, op: ReduceOp, wire, axis_name: str):
+    if op is ReduceOp.Adasum:
+        return adasum_all_reduce(x, axis_name)
+    name = {ReduceOp.Sum: "sum", ReduceOp.Average: "mean", ReduceOp.Min: "min",
+            ReduceOp.Max: "max", ReduceOp.Product: "prod"}[op]
+    return comm.all_reduce(x, axis_name, name, compression=wire)
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+              axis_name: str = AXIS):
+    """Reduces ``tensor`` over every rank and gives each the result (Horovod's ``allreduce``).
+
+    Args:
+      tensor: an array (or pytree of arrays), this rank's value; same shape on every rank.
+      average: Horovod's old flag (True: ``op=Average``, False: ``op=Sum``).
+      name: accepted for Horovod's signature (JAX orders collectives itself).
+      compression: ``hvd.Compression.none|fp16|bf16``: the values travel in 16 bits.
+      op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Adasum``, ``hvd.Min``, ``hvd.Max``,
+        ``hvd.Product``.
+      prescale_factor, postscale_factor: multiply before and after the reduction.
+      axis_name: the mesh axis of the ranks inside a program (``@hvd.jit``'s ``"data"``).
+
+    Returns:
+      The reduction, of the input's kind, shape and dtype.
+
+    Example:
+      >>> import numpy as np, parallax.horovod as hvd
+      >>> hvd.allreduce(np.array([1.0, 2.0]), op=hvd.Sum)       # one process: itself
+      array([1., 2.])
+
+    References:
+      Sergeev & Del Balso 2018, "Horovod"; ``MPI_Allreduce``.
+    """
+    del name
+    api = "hvd.allreduce"
+    op = check_op(api, op if op is not None else (ReduceOp.Sum if average is False
+                                                  else ReduceOp.Average))
+    wire = check_compression(api, compression)
+    if in_program(api, tensor, axis_name):
+        def one(x):
+            x = x * prescale_factor if prescale_factor != 1.0 else x
+            x = _reduce_in_program(x, op, wire, axis_name)
+            return x * postscale_factor if postscale_factor != 1.0 else x
+        return jax.tree.map(one, tensor)
+
+    def eager(x):
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            x = np.asarray(x, jax.dtypes.canonicalize_dtype(np.result_type(x)))
+        if op is ReduceOp.Average and not jnp.issubdtype(x.dtype, jnp.inexact):
+            raise TypeError(f"{api}: op=hvd.Average of an integer tensor ({x.dtype}); use "
+                            "op=hvd.Sum.")
+        wide = wire.accumulate_dtype(x.dtype)
+        sent = np.asarray(x * prescale_factor if prescale_factor != 1.0 else x).astype(
+            wire.wire_dtype(x.dtype))
+        if jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
+            out = np.asarray(_eager(_program("reduce", op, wide), sent, out_like=sent))
+        else:  # 64-bit without jax_enable_x64: gather exactly, reduce on the host
+            out = _reduce_on_host(api, sent, op, wide)
+        out = out * postscale_factor if postscale_factor != 1.0 else out
+        return local_arrays.like(np.asarray(out).astype(x.dtype), x)
+
+    return jax.tree.map(eager, tensor)
+
+
+def _shapes(api: str, x) -> np.ndarray:
+    """Every process's shape of ``x`` (same rank required), one row each."""
+    ndims = np.asarray(multihost_utils.process_allgather(np.int32(np.ndim(x)))).reshape(-1)
+    if len(set(ndims.tolist())) != 1:
+        raise ValueError(f"{api}: the ranks passed tensors of different ranks (ndim by rank: "
+                         f"{ndims.tolist()}); every rank must pass the same number of dims.")
+    shape = np.asarray(np.shape(x), np.int64).reshape(-1)
+    return np.asarray(multihost_utils.process_allgather(shape)).reshape(len(ndims), -1)
+
+
+def allgather(tensor, name=None, *, axis_name: str = AXIS):
+    """Concatenates every rank's ``tensor`` along the first dimension (Horovod's ``allgather``).
+
+    Eagerly the ranks' first dimensions may differ (the others must match); inside a program
+    they are equal.
+
+    Example:
+      >>> import numpy as np, parallax.horovod as hvd
+      >>> hvd.allgather(np.arange(3))
+      array([0, 1, 2])
+
+    References:
+      ``MPI_Allgatherv``; Horovod ``allgather``.
+    """
+    del name
+    api = "hvd.allgather"
+    if in_program(api, tensor, axis_name):
+        return comm.all_gather(tensor, axis_name, dim=0, tiled=True)
+    x = tensor if isinstance(tensor, jax.Array) else np.asarray(tensor)
+    if jax.process_count() == 1:
+        return local_arrays.like(np.asarray(x), tensor)
+    if np.ndim(x) == 0:
+        raise ValueError(f"{api}: tensor is a scalar; allgather concatenates along the first "
+                         "dimension, so pass at least one dimension (e.g. x[None]).")
+    shapes = _shapes(api, x)
+    if (shapes[:, 1:] != shapes[0, 1:]).any():
+        raise ValueError(f"{api}: the ranks' tensors differ beyond the first dimension: shapes "
+                         f"by rank {[tuple(s) for s in shapes.tolist()]}.")
+    x = np.asarray(x)
+    rows = int(shapes[:, 0].max())
+    padded = np.zeros((rows,) + x.shape[1:], x.dtype)
+    padded[: x.shape[0]] = x
+    every = _eager(_program("gather"), local_arrays.as_bytes(padded), out_like=np.zeros(0))
+    every = local_arrays.from_bytes(every, x.dtype, (len(shapes),) + padded.shape)
+    out = np.concatenate([every[p, :n] for p, n in enumerate(shapes[:, 0])])
+    return local_arrays.like(out, tensor)
+
+
+def _same_shape(api: str, x) -> None:
+    shapes = _shapes(api, x)
+    if (shapes != shapes[0]).any():
+        raise ValueError(f"{api}: the ranks passed different shapes "
+                         f"{[tuple(s) for s in shapes.tolist()]}; they must be equal.")
+
+
+def broadcast(tensor, root_rank: int, name=None, *, axis_name: str = AXIS):
+    """Every rank gets ``root_rank``'s ``tensor`` (Horovod's ``broadcast``).
+
+    Example:
+      >>> import numpy as np, parallax.horovod as hvd
+      >>> hvd.broadcast(np.array([3.0]), root_rank=0)
+      array([3.])
+
+    References:
+      ``MPI_Bcast``; Horovod ``broadcast``.
+    """
+    del name
+    api = "hvd.broadcast"
+    if in_program(api, tensor, axis_name):
+        return comm.broadcast(tensor, axis_name, root=root_rank)
+    if not 0 <= root_rank < jax.process_count():
+        raise ValueError(f"{api}: root_rank={root_rank} is not a rank of this job "
+                         f"(0 .. {jax.process_count() - 1}).")
+
+    def one(x):
+        _same_shape(api, x)
+        value = np.asarray(x)
+        picked = _eager(_program("pick", root_rank), local_arrays.as_bytes(value),
+                        out_like=np.zeros(0))
+        return local_arrays.like(local_arrays.from_bytes(picked, value.dtype, value.shape), x)
+
+    return jax.tree.map(one, tensor)
+
+
+@functools.cache
+def _by_destination():
+    """Rows ``[source, destination, ...]`` -> ``[destination, source, ...]``, split by destination."""
+    return jax.jit(lambda rows: jnp.swapaxes(rows, 0, 1), out_shardings=jax.sharding.NamedSharding(
+        local_arrays.process_mesh(), jax.P(local_arrays.PROCESS)))
+
+
+def alltoall(tensor, splits=None, name=None, *, axis_name: str = AXIS):
+    """Sends part ``j`` of ``tensor`` (along dim 0) to rank ``j``; returns what every rank
+    sent here, concatenated in rank order (Horovod's ``alltoall``).
+
+    Args:
+      tensor: this rank's array.
+      splits: rows sent to each rank (length ``size()``); by default equal parts.
+      name: accepted for Horovod's signature.
+      axis_name: the mesh axis of the ranks inside a program (equal parts only there).
+
+    Returns:
+      The received array; with ``splits``, ``(received, received_splits)`` as Horovod's.
+
+    Example:
+      >>> import numpy as np, parallax.horovod as hvd
+      >>> hvd.alltoall(np.arange(4))
+      array([0, 1, 2, 3])
+
+    References:
+      ``MPI_Alltoallv``; Horovod ``alltoall``.
+    """
+    del name
+    api = "hvd.alltoall"
+    if in_program(api, tensor, axis_name):
+        if splits is not None:
+            raise ValueError(f"{api}: splits= is supported on process-local arrays only; "
+                             "inside a program every rank sends equal parts.")
+        return comm.all_to_all(tensor, axis_name, split_dim=0, concat_dim=0)
+    x = np.asarray(tensor)
+    count, me = jax.process_count(), jax.process_index()
+    if splits is None:
+        if np.ndim(x) == 0 or x.shape[0] % count:
+            raise ValueError(f"{api}: the first dimension of shape {x.shape} does not split "
+                             f"into {count} equal parts; pass splits=[rows for each rank].")
+        sent = np.full(count, x.shape[0] // count, np.int64)
+    else:
+        sent = np.asarray(splits, np.int64).reshape(-1)
+        if sent.shape != (count,) or (sent < 0).any() or sent.sum() != x.shape[0]:
+            raise ValueError(f"{api}: splits={sent.tolist()} must be {count} counts >= 0 "
+                             f"adding up to the first dimension {x.shape[0]}.")
+    matrix = np.asarray(multihost_utils.process_allgather(sent)).reshape(count, count)
+    width = max(int(matrix.max()), 1)
+    chunks = np.zeros((count, width) + x.shape[1:], x.dtype)
+    starts = np.concatenate([[0], np.cumsum(sent)])
+    for j in range(count):
+        chunks[j, : sent[j]] = x[starts[j]:starts[j + 1]]
+    # rows [source, destination, width, ...] -> [destination, source, ...], split by destination
+    mine = local_arrays.local_copy(_by_destination()(local_arrays.stack(
+        local_arrays.as_bytes(chunks))))[0]
+    mine = local_arrays.from_bytes(mine, x.dtype, (count, width) + x.shape[1:])
+    received = np.concatenate([mine[s, : matrix[s, me]] for s in range(count)])
+    out = local_arrays.like(received, tensor)
+    if splits is None:
+        return out
+    return out, matrix[:, me].copy()

@@ -1,0 +1,69 @@
+"""Real multi-process runs through ``parallax launch`` on localhost (gloo).
+
+- Two "nodes" (two launchers, one process each, 2 devices per process) form one job and
+  train DataParallel, ZeRO 3, DP x TP and a 1F1B pipeline whose stage axis spans the two
+  processes to the one-device losses and parameters (1e-6); the same launch then runs
+  parallax.horovod's checks for 2 processes x 2 devices and the Horovod-style example.
+- ``parallax demo`` under the launcher agrees with one device.
+- A JAX process that calls ``sys.exit(3)`` mid-training, while its peer is blocked in a
+  collective with it, ends the run within 10 s with its own code, and no process is left.
+"""
+
+import re
+import shutil
+import sys
+import time
+
+import pytest
+
+from parallax.distributed import launch
+from tests.distributed.launching import alive, launcher, program, run_launcher
+from tests.horovod.test_multiprocess import assert_horovod_agrees
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+
+def test_two_nodes_on_localhost_train_four_strategies_like_one_device():
+    coordinator = f"127.0.0.1:{launch.free_port()}"
+    common = ["--nnodes", "2", "--coordinator", coordinator, "--devices-per-process", "2"]
+    command = [sys.executable, program("strategies.py"), "--horovod"]
+    node1 = launcher(["-np", "1", "--node-rank", "1", *common, *command])
+    node0 = run_launcher(["-np", "1", "--node-rank", "0", *common, *command])
+    out1, err1 = node1.communicate(timeout=300)
+    assert node0.returncode == 0 and node1.returncode == 0, (
+        node0.stdout[-3000:] + node0.stderr[-3000:] + out1[-3000:] + err1[-3000:])
+    for rank, text in ((0, node0.stdout), (1, out1)):
+        results = re.findall(rf"^\[{rank}\] agree (.*)$", text, re.M)
+        assert len(results) == 4, text
+        for strategy in ("DataParallel", "ZeRO 3", "DP x TP", "1F1B over processes"):
+            assert any(f'"strategy": "{strategy}"' in r for r in results)
+    # the pipeline's stage axis spans the processes: both load the whole batch
+    assert re.search(r'"1F1B over processes", "mesh": \{"stage": 2, "data": 2\}, "rows": \[0, 8\]',
+                     out1)
+    assert_horovod_agrees(node0.stdout + out1, 2, train=True)
+
+
+def test_a_jax_rank_that_exits_mid_training_ends_the_run_with_its_code():
+    proc = launcher(["-np", "2", "--grace", "2", sys.executable, program("stuck_peer.py")])
+    out, err = proc.communicate(timeout=300)
+    end = time.time()
+    assert proc.returncode == 3, out[-3000:] + err[-3000:]
+    assert re.search(r"parallax launch: rank 1 \(pid \d+\) exited with code 3 after", err), err
+    fault = float(re.search(r"fault at ([\d.]+)", out).group(1))
+    assert end - fault < 10
+    pids = [int(p) for p in re.findall(r"^\[\d\] pid (\d+)$", out, re.M)]
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
+
+
+def test_parallax_demo_under_the_launcher_agrees_with_one_device():
+    # the installed command, or the module where the console script is not on PATH
+    command = [shutil.which("parallax")] if shutil.which("parallax") else [
+        sys.executable, "-m", "parallax.cli"]
+    out = run_launcher(["-np", "2", *command, "demo", "--strategy", "dp+fsdp", "--steps", "2",
+                        "--quiet"])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[{rank}] parallax demo: process {rank} of 2, 2 devices in all" in out.stdout
+        match = re.search(rf"^\[{rank}\] largest relative loss difference vs one device: "
+                          r"([\d.e+-]+)", out.stdout, re.M)
+        assert match and float(match.group(1)) <= 1e-4, out.stdout[-3000:]

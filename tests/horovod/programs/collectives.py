@@ -1,0 +1,180 @@
+"""Launched with N processes: every collective of parallax.horovod equals numpy on the
+gathered inputs, broadcasts make processes started with different seeds identical (DDP's
+start), and the optimizer trains to the one-process numbers eagerly.
+
+    parallax launch -np 4 python collectives.py
+    parallax launch -np 2 --devices-per-process 2 python collectives.py
+
+Every rank can rebuild every other rank's inputs (seeded by rank), so each computes the
+expected result with numpy and compares. Prints ``ok NAME`` per check, then ``all agree``;
+exits non-zero on the first difference.
+"""
+
+import sys
+
+import parallax.horovod as hvd
+
+hvd.init()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import parallax as px  # noqa: E402
+from tests.horovod import adasum_reference  # noqa: E402
+
+RANK, SIZE = hvd.rank(), hvd.size()
+
+
+def inputs(rank, shape=(5, 3), dtype=np.float32):
+    return np.random.default_rng(rank).standard_normal(shape).astype(dtype)
+
+
+EVERY = np.stack([inputs(r) for r in range(SIZE)])
+
+
+def check(name, got, want, rtol=1e-6, exact=False):
+    got, want = np.asarray(got), np.asarray(want)
+    ok = got.shape == want.shape and (np.array_equal(got, want) if exact else
+                                      np.allclose(got, want, rtol=rtol, atol=rtol))
+    if not ok:
+        print(f"DIFFER {name}: got {got.tolist()} want {want.tolist()}", flush=True)
+        sys.exit(1)
+    print(f"ok {name}", flush=True)
+
+
+def eager_collectives():
+    mine = inputs(RANK)
+    check("allreduce sum", hvd.allreduce(mine, op=hvd.Sum), EVERY.sum(0))
+    check("allreduce average", hvd.allreduce(mine), EVERY.mean(0))
+    check("allreduce min", hvd.allreduce(mine, op=hvd.Min), EVERY.min(0), exact=True)
+    check("allreduce max", hvd.allreduce(mine, op=hvd.Max), EVERY.max(0), exact=True)
+    check("allreduce product", hvd.allreduce(mine, op=hvd.Product), EVERY.prod(0))
+    check("allreduce pre/postscale", hvd.allreduce(mine, op=hvd.Sum, prescale_factor=0.5,
+                                                   postscale_factor=3.0), EVERY.sum(0) * 1.5)
+    rounded = EVERY.astype(np.float16).astype(np.float32)
+    check("allreduce fp16", hvd.allreduce(mine, op=hvd.Sum, compression=hvd.Compression.fp16),
+          rounded.sum(0).astype(np.float16).astype(np.float32), rtol=1e-3)
+    wide = np.stack([inputs(r, dtype=np.float64) for r in range(SIZE)])
+    check("allreduce float64", hvd.allreduce(wide[RANK], op=hvd.Sum), wide.sum(0), exact=True)
+    ints = np.arange(6, dtype=np.int32) * (RANK + 1)
+    check("allreduce int32", hvd.allreduce(ints, op=hvd.Sum),
+          np.arange(6) * sum(range(1, SIZE + 1)), exact=True)
+    check("allreduce jax array", hvd.allreduce(jnp.asarray(mine)), EVERY.mean(0))
+    check("allreduce adasum", hvd.allreduce(mine, op=hvd.Adasum),
+          adasum_reference.adasum(list(EVERY)), rtol=1e-5)
+    rows = [inputs(r, shape=(r + 1, 3)) for r in range(SIZE)]
+    check("allgather ragged", hvd.allgather(rows[RANK]), np.concatenate(rows))
+    for root in (0, SIZE - 1):
+        check(f"broadcast from {root}", hvd.broadcast(wide[RANK], root_rank=root), wide[root],
+              exact=True)
+    parts = np.stack([inputs(r, shape=(2 * SIZE, 3)) for r in range(SIZE)])
+    check("alltoall", hvd.alltoall(parts[RANK]),
+          np.concatenate([parts[s][2 * RANK:2 * RANK + 2] for s in range(SIZE)]), exact=True)
+    splits = [[(s + d) % 3 + 1 for d in range(SIZE)] for s in range(SIZE)]
+    sent = [inputs(s, shape=(sum(splits[s]), 2)) for s in range(SIZE)]
+    got, received = hvd.alltoall(sent[RANK], splits=splits[RANK])
+    starts = [np.concatenate([[0], np.cumsum(splits[s])]) for s in range(SIZE)]
+    check("alltoall splits", got, np.concatenate(
+        [sent[s][starts[s][RANK]:starts[s][RANK + 1]] for s in range(SIZE)]), exact=True)
+    check("alltoall received splits", received, [splits[s][RANK] for s in range(SIZE)],
+          exact=True)
+    check("broadcast_object", [hvd.broadcast_object({"rank": RANK}, root_rank=1)["rank"]], [1],
+          exact=True)
+
+
+def program_collectives():
+    """Inside @hvd.jit the ranks are every device of every process."""
+    devices = jax.device_count()
+    global_rows = np.arange(devices * 2 * 3, dtype=np.float32).reshape(devices * 2, 3)
+    mine = global_rows[px.distributed.process_slice(devices * 2)]
+
+    @hvd.jit
+    def step(batch):  # batch: this device's 2 rows
+        return (hvd.allreduce(batch, op=hvd.Sum), hvd.allreduce(batch), hvd.allgather(batch),
+                hvd.broadcast(batch, root_rank=devices - 1))
+
+    total, mean, gathered, root = step(mine)
+    blocks = global_rows.reshape(devices, 2, 3)
+    check("program allreduce sum", total, blocks.sum(0))
+    check("program allreduce average", mean, blocks.mean(0))
+    check("program allgather", gathered, global_rows, exact=True)
+    check("program broadcast", root, blocks[-1], exact=True)
+
+
+def ddp_start_from_rank_0():
+    """Processes seeded differently end up with rank 0's parameters (DDP at construction)."""
+    local = {"w": inputs(100 + RANK, shape=(4, 4)), "step": np.int32(RANK)}
+    synced = hvd.broadcast_parameters(local, root_rank=0)
+    check("broadcast_parameters (local)", synced["w"], inputs(100, shape=(4, 4)), exact=True)
+    mesh, strategy = px.make_mesh(data=-1), px.DataParallel("data")
+    state = px.init(lambda: px.TrainState.create(
+        px.models.MLP(4, [8], 2, rngs=nnx.Rngs(RANK)), optax.adam(1e-3)), mesh, strategy)
+    def every_copy(kernel):  # [process, local device, ...]: each device's replica
+        return multihost_utils.process_allgather(
+            np.stack([np.asarray(s.data) for s in kernel.addressable_shards]))
+
+    before = every_copy(state.params["layers"][0]["kernel"])
+    assert not np.array_equal(before[0, 0], before[-1, 0])  # the seeds differ
+    state = hvd.broadcast_parameters(state, root_rank=0)
+    everyone = every_copy(state.params["layers"][0]["kernel"])
+    check("broadcast_parameters (sharded state)", everyone, np.broadcast_to(
+        everyone[0, 0], everyone.shape), exact=True)
+
+
+def eager_optimizer():
+    """tx.update outside jit, on process-local gradients: the full-batch numbers."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((8 * SIZE, 3)).astype(np.float32)
+    y = rng.standard_normal((8 * SIZE, 1)).astype(np.float32)
+    loss = lambda w, xb, yb: jnp.mean((xb @ w - yb) ** 2)  # noqa: E731
+    grad = jax.jit(jax.grad(loss))
+    w_ref = w = jnp.zeros((3, 1))
+    ref_tx, tx = optax.adam(0.1), hvd.DistributedOptimizer(optax.adam(0.1))
+    ref_state, state = ref_tx.init(w_ref), tx.init(w)
+    rows = px.distributed.process_slice(len(x))
+    for _ in range(3):
+        updates, ref_state = ref_tx.update(grad(w_ref, x, y), ref_state)
+        w_ref = optax.apply_updates(w_ref, updates)
+        updates, state = tx.update(grad(w, x[rows], y[rows]), state, w)
+        w = optax.apply_updates(w, updates)
+    check("DistributedOptimizer eager", w, w_ref, rtol=1e-6)
+
+
+def batch_shapes_are_checked():
+    """Processes that pass different shapes get a clear error, not a hang or garbage."""
+    mesh, strategy = px.make_mesh(data=-1), px.DataParallel("data")
+    rows = jax.local_device_count() * (RANK + 1)
+    try:
+        px.distributed.global_batch({"x": np.ones((rows, 2), np.float32)}, mesh, strategy)
+    except ValueError as error:
+        shapes = {p: (jax.local_device_count() * (p + 1), 2) for p in range(SIZE)}
+        expected = (f"px.distributed.global_batch: the batch leaf ['x'] differs between "
+                    f"processes: shapes by process {shapes} (this is process {RANK}, dtype "
+                    "float32).")
+        check("global_batch shape check", [str(error).startswith(expected)], [True], exact=True)
+        return
+    check("global_batch shape check", ["no error"], ["a ValueError"], exact=True)
+
+
+def main(train: bool = False) -> None:
+    batch_shapes_are_checked()
+    eager_collectives()
+    program_collectives()
+    ddp_start_from_rank_0()
+    eager_optimizer()
+    if train:  # the Horovod-style example against one process
+        sys.path.insert(0, "examples")
+        import horovod_train
+
+        if horovod_train.main(["--steps", "3", "--check"]) != 0:
+            sys.exit(1)
+    print("all agree", flush=True)
+
+
+if __name__ == "__main__":
+    main(train="--train" in sys.argv)
+    hvd.shutdown()

@@ -1,0 +1,173 @@
+"""hvd.DistributedOptimizer on 8 simulated devices (the ranks of @hvd.jit): the one-device
+numbers, compression, predivision, DDP's no_sync (k micro-steps = one big batch, one sync),
+fused buckets in reverse order, inside px.train_step, and pinned errors."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import parallax as px
+import parallax.horovod as hvd
+from parallax.analysis import hlo
+
+STEPS, ROWS = 3, 32
+
+
+def init_params():
+    keys = jax.random.split(jax.random.key(0), 2)
+    return {"w1": jax.random.normal(keys[0], (8, 32)) / 3, "b1": jnp.zeros(32),
+            "w2": jax.random.normal(keys[1], (32, 4)) / 6}
+
+
+def loss_fn(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def data(steps=STEPS, rows=ROWS):
+    rng = np.random.default_rng(0)
+    return [{"x": rng.standard_normal((rows, 8), np.float32),
+             "y": rng.standard_normal((rows, 4), np.float32)} for _ in range(steps)]
+
+
+def one_device(tx, batches):
+    """The plain program: full batches, one device."""
+    params, losses = init_params(), []
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    for batch in batches:
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return losses, params
+
+
+def horovod(tx, batches):
+    """The Horovod-style step: per rank, the optimizer averages over the 8 ranks."""
+    params, losses = init_params(), []
+    state = tx.init(params)
+
+    @hvd.jit
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, hvd.allreduce(loss)
+
+    for batch in batches:
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return losses, params, step
+
+
+def close(a, b, rtol):
+    assert px.testing.relative_difference(a, b) <= rtol, px.testing.relative_difference(a, b)
+
+
+@pytest.mark.parametrize("op, predivide", [(hvd.Average, 1.0), (hvd.Average, 4.0)])
+def test_trains_to_the_one_device_numbers(op, predivide):
+    ref_losses, ref_params = one_device(optax.adam(1e-2), data())
+    tx = hvd.DistributedOptimizer(optax.adam(1e-2), op=op, gradient_predivide_factor=predivide)
+    losses, params, _ = horovod(tx, data())
+    close(np.array(losses), np.array(ref_losses), 1e-6)
+    close(params, ref_params, 1e-5)
+
+
+def test_sum_is_size_times_average():
+    ref_losses, ref_params = one_device(optax.sgd(0.08), data())
+    losses, params, _ = horovod(hvd.DistributedOptimizer(optax.sgd(0.01), op=hvd.Sum), data())
+    close(np.array(losses), np.array(ref_losses), 1e-6)
+    close(params, ref_params, 1e-5)
+
+
+@pytest.mark.parametrize("compression, bound", [(hvd.Compression.fp16, 2e-3),
+                                                (hvd.Compression.bf16, 2e-2)])
+def test_compression_stays_within_its_rounding(compression, bound):
+    ref_losses, ref_params = one_device(optax.sgd(0.1), data())
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1), compression=compression)
+    losses, params, _ = horovod(tx, data())
+    assert 0 < px.testing.relative_difference(params, ref_params) <= bound
+
+
+def test_no_sync_k_micro_steps_are_one_big_batch_with_one_sync():
+    k = 2
+    big = data(steps=2, rows=ROWS * k)
+    ref_losses, ref_params = one_device(optax.sgd(0.1, momentum=0.9), big)
+    micro = [{key: v[i * ROWS:(i + 1) * ROWS] for key, v in b.items()} for b in big
+             for i in range(k)]
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1, momentum=0.9), backward_passes_per_step=k)
+    params, state = init_params(), tx.init(init_params())
+    _, _, step = horovod(tx, [])
+    for i, batch in enumerate(micro):
+        before = params
+        params, state, _ = step(params, state, batch)
+        if i % k == 0:  # accumulated locally, nothing applied
+            close(params, before, 0.0)
+    close(params, ref_params, 1e-5)
+    # one synchronisation per k calls: every gradient all-reduce sits in the branch taken on
+    # the k-th call
+    found = [c for c in hlo.collectives(step.lower(params, state, micro[0]).compile(), hvd.mesh())
+             if c.kind == "all-reduce" and c.message_bytes > 4]
+    assert found and all(c.conditional for c in found)
+
+
+def test_fused_buckets_in_reverse_order():
+    params = init_params()
+    fusion = 512
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1), fusion_bytes=fusion)
+    _, _, step = horovod(tx, [])
+    compiled = step.lower(params, tx.init(params), data(1)[0]).compile(
+        compiler_options={"xla_disable_hlo_passes": "cpu-all-reduce-combiner"})
+    found = [c for c in hlo.collectives(compiled, hvd.mesh())
+             if c.kind == "all-reduce" and c.message_bytes > 4]
+    grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
+    assert len(found) == math.ceil(grad_bytes / fusion)
+    assert sum(c.message_bytes for c in found) == grad_bytes
+    plan = px.comm.bucket_plan(params, fusion)  # what the optimizer packs: last leaf first
+    assert plan[0].pieces[0][0] == len(jax.tree.leaves(params)) - 1
+
+
+def test_inside_px_train_step_the_strategy_has_already_averaged():
+    k, make = 2, lambda tx: (lambda: px.TrainState.create(
+        px.models.MLP(8, [32], 4, rngs=__import__("flax").nnx.Rngs(0)), tx))
+    big = [{"x": b["x"], "y": b["y"]} for b in data(steps=2, rows=ROWS * k)]
+    ref = px.testing.train(make(optax.sgd(0.1)), px.models.mse_loss, big)
+    micro = [{key: v[i * ROWS:(i + 1) * ROWS] for key, v in b.items()} for b in big
+             for i in range(k)]
+    wrapped = hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=k)
+    run = px.testing.train(make(wrapped), px.models.mse_loss, micro,
+                           mesh=px.make_mesh(data=8), strategy=px.DataParallel("data"))
+    close(run.final_params, ref.final_params, 1e-5)
+
+
+def test_errors():
+    with pytest.raises(TypeError, match=r"hvd\.DistributedOptimizer: tx must be an "
+                                        r"optax\.GradientTransformation"):
+        hvd.DistributedOptimizer("adam")
+    with pytest.raises(ValueError, match=r"backward_passes_per_step=0 must be an int >= 1"):
+        hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match=r"gradient_predivide_factor=2\.0 must be > 0, and "
+                                         r"other than 1 only with op=hvd\.Average"):
+        hvd.DistributedOptimizer(optax.sgd(0.1), op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match=r"op=ReduceOp\.Max reduces gradients with "
+                                         r"hvd\.Average, hvd\.Sum or hvd\.Adasum only"):
+        hvd.DistributedOptimizer(optax.sgd(0.1), op=hvd.Max)
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1))
+    params = init_params()
+    with pytest.raises(ValueError, match=re.escape(
+            "hvd.DistributedOptimizer: update was traced where the Horovod axis 'data' is not "
+            "bound (inside a plain jax.jit each process runs alone). Run the step with "
+            "@hvd.jit")):
+        jax.jit(lambda g, s: tx.update(g, s, params))(params, tx.init(params))
+    with pytest.raises(ValueError, match=re.escape(
+            "hvd.allreduce: called on traced values where the Horovod axis 'data' is not bound")):
+        jax.jit(hvd.allreduce)(jnp.ones(2))

@@ -1,0 +1,61 @@
+"""PS-Lite's parameter server in JAX, on Ray: ``KVStore``, ``KVWorker``, consistency models.
+
+Servers are Ray actors owning contiguous key ranges; workers push and pull sorted uint64
+keys with timestamps; a server's handle sums pushes (PS-Lite's default) or applies an optax
+optimizer; ``"sequential"``, ``"eventual"`` and ``BoundedDelay(tau)`` consistency are kept
+with a vector clock per key range. See ``docs/parameter_server.md``.
+
+Ray is an optional extra (``pip install parallax[ps]``). This package loads it, and its Ray
+parts, only when one of their names is first used, so ``import parallax.ps`` (and
+``import parallax``) never imports ray.
+"""
+
+import importlib
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # must precede `import ray`
+
+from parallax.ps.consistency import BoundedDelay as BoundedDelay  # noqa: E402
+from parallax.ps.consistency import as_consistency as as_consistency  # noqa: E402
+from parallax.ps.errors import ServerUnavailableError as ServerUnavailableError  # noqa: E402
+from parallax.ps.handles import ASSIGN as ASSIGN  # noqa: E402
+from parallax.ps.handles import UPDATE as UPDATE  # noqa: E402
+from parallax.ps.handles import SumHandle as SumHandle  # noqa: E402
+from parallax.ps.keys import MAX_KEY as MAX_KEY  # noqa: E402
+from parallax.ps.keys import KeyRange as KeyRange  # noqa: E402
+from parallax.ps.keys import server_key_ranges as server_key_ranges  # noqa: E402
+from parallax.ps.optax_handle import OptaxHandle as OptaxHandle  # noqa: E402
+
+# Names whose modules import ray: loaded on first use.
+_LAZY = {
+    "KVStore": "parallax.ps.kvstore",
+    "KVWorker": "parallax.ps.worker",
+    "init_cluster": "parallax.ps.cluster",
+    "shutdown_cluster": "parallax.ps.cluster",
+    "run_workers": "parallax.ps.workers",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'parallax.ps' has no attribute {name!r}")
+
+
+__all__ = [
+    "ASSIGN",
+    "BoundedDelay",
+    "KVStore",
+    "KVWorker",
+    "KeyRange",
+    "MAX_KEY",
+    "OptaxHandle",
+    "ServerUnavailableError",
+    "SumHandle",
+    "UPDATE",
+    "as_consistency",
+    "init_cluster",
+    "run_workers",
+    "server_key_ranges",
+    "shutdown_cluster",
+]

@@ -1,0 +1,243 @@
+"""One parameter server: a key range's store, its handle, and its vector clock.
+
+``KVServer`` is a plain class with ``async`` methods; :class:`parallax.ps.KVStore` runs each
+one as a Ray actor (an asynchronous actor, so a pull waiting for its consistency condition
+does not block the pushes that will satisfy it). A request runs to completion between two
+``await`` points, so every push is applied atomically and every pull reads one version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import ray
+
+from parallax.ps.checkpoint import load_snapshot, save_snapshot, server_path
+from parallax.ps.consistency import BoundedDelay, VectorClock
+from parallax.ps.handles import ASSIGN, UPDATE, Handle
+from parallax.ps.keys import KeyRange
+from parallax.ps.table import KVTable
+
+
+def _is_slot(leaf, values: np.ndarray) -> bool:
+    return np.shape(leaf) == values.shape
+
+
+def publish_to_object_store(array: np.ndarray, min_bytes: int = 1 << 20):
+    """A snapshot of ``array`` for a reply: large ones go to Ray's object store right away.
+
+    Ray serialises an actor's return value after the request's coroutine has finished, by
+    which time a later push may have changed the store in place; ``ray.put`` inside the
+    request copies the bytes once, at the right moment (no extra copy, unlike ``np.array``
+    followed by Ray's own). The caller gets the ``ObjectRef`` and fetches it.
+    """
+    if array.nbytes >= min_bytes:
+        return ray.put(array)
+    return np.array(array)
+
+
+class KVServer:
+    """Stores one key range's values and answers pushes and pulls (PS-Lite's ``KVServer``).
+
+    Args:
+      rank: this server's index.
+      key_range: the keys it owns.
+      handle: what a push does (:class:`parallax.ps.SumHandle`, :class:`parallax.ps.OptaxHandle`).
+      consistency: when a pull may be answered.
+      num_workers: how many ranked workers the vector clock tracks.
+      dtype: the values' dtype.
+      publish: turns a pulled array into what the request returns (the actor puts large
+        arrays in Ray's object store from inside the request, so the reply is a snapshot).
+
+    Example:
+      >>> import asyncio
+      >>> from parallax.ps import SumHandle, as_consistency
+      >>> server = KVServer(0, KeyRange(0, 100), SumHandle(), as_consistency("eventual"), 1,
+      ...                   np.float32)
+      >>> keys = np.array([3, 9], np.uint64)
+      >>> asyncio.run(server.push(keys, np.ones(4, np.float32), None, 0, None, 0))
+      >>> values, lens, staleness = asyncio.run(server.pull(keys, None, None, 0))
+      >>> values.tolist(), lens.tolist()
+      ([1.0, 1.0, 1.0, 1.0], [2, 2])
+
+    References:
+      PS-Lite, ``KVServer`` and ``KVServerDefaultHandle`` (``include/ps/kv_app.h``); Li et
+      al., OSDI 2014, sections 3.4 and 4.1.
+    """
+
+    def __init__(self, rank: int, key_range: KeyRange, handle: Handle,
+                 consistency: BoundedDelay, num_workers: int, dtype, publish=None):
+        self.rank, self.key_range = rank, key_range
+        self.publish = publish or np.array
+        self._changed = asyncio.Condition()
+        self._start(handle, consistency, num_workers, dtype)
+
+    def _start(self, handle, consistency, num_workers, dtype) -> None:
+        self.handle, self.consistency = handle, consistency
+        self.table = KVTable(dtype)
+        self.state: Any = handle.init(self.table.values)
+        self.clock = VectorClock(num_workers)
+        self._staleness: list[int] = []
+        self._counts = {"pushes": 0, "pulls": 0, "bytes_pushed": 0, "bytes_pulled": 0}
+
+    async def reset(self, handle, consistency, num_workers) -> None:
+        """Forgets every key, clock and statistic; runs on with a new handle and model."""
+        self._start(handle, consistency, num_workers, self.table.values.dtype)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def push(self, keys, values, lens, cmd, worker, iteration) -> None:
+        """Applies a push (``cmd`` UPDATE or ASSIGN) and ticks ``worker``'s clock."""
+        self._apply(keys, values, lens, cmd)
+        if worker is not None:
+            self.clock.finish(worker, iteration)
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def pull(self, keys, slot, worker, iteration):
+        """(values, lens, staleness) of ``keys`` once the consistency model allows it."""
+        staleness = await self._admit(worker, iteration)
+        return self._read(keys, slot) + (staleness,)
+
+    async def push_pull(self, keys, values, lens, cmd, worker, iteration):
+        """A push then, in the next iteration, a pull of the same keys (one round trip)."""
+        await self.push(keys, values, lens, cmd, worker, iteration)
+        return await self.pull(keys, None, worker, None if worker is None else iteration + 1)
+
+    async def ping(self) -> int:
+        """This server's process id (also a liveness check)."""
+        return os.getpid()
+
+    async def clock_of(self, worker: int) -> int:
+        """Iterations ``worker`` has finished on this key range."""
+        return int(self.clock.clock[worker])
+
+    async def stats(self) -> dict:
+        """Request counts, bytes moved, and the staleness of every ranked pull served."""
+        return dict(self._counts, staleness=np.asarray(self._staleness, np.int64),
+                    clock=self.clock.clock.copy(), keys=int(self.table.keys.size),
+                    values=int(self.table.values.size))
+
+    async def snapshot(self) -> dict:
+        """The whole server state as arrays (keys, offsets, values, handle state, clock)."""
+        return {"keys": self.table.keys.copy(), "offsets": self.table.offsets.copy(),
+                "values": self.table.values.copy(),
+                "state": [np.array(leaf) for leaf in jax.tree.leaves(self.state)],
+                "clock": self.clock.clock.copy()}
+
+    async def save(self, directory) -> str:
+        """Writes this server's snapshot under ``directory`` (Orbax, in a thread)."""
+        snapshot = await self.snapshot()  # taken between requests: one consistent version
+        path = server_path(directory, self.rank)
+        await asyncio.to_thread(save_snapshot, path, snapshot)
+        return str(path)
+
+    async def restore(self, directory) -> None:
+        """Replaces this server's state with its shard of the checkpoint in ``directory``."""
+        snapshot = await asyncio.to_thread(load_snapshot, server_path(directory, self.rank))
+        await self.load(snapshot)
+
+    async def load(self, snapshot: dict) -> None:
+        """Replaces the server state with a :meth:`snapshot` (restoring a checkpoint)."""
+        self.table.keys = np.asarray(snapshot["keys"], np.uint64)
+        self.table.offsets = np.asarray(snapshot["offsets"], np.int64)
+        self.table.values = np.array(snapshot["values"], self.table.values.dtype)
+        treedef = jax.tree.structure(self.handle.init(self.table.values))
+        self.state = jax.tree.unflatten(treedef, [np.array(x) for x in snapshot["state"]])
+        self.clock.clock[:] = np.asarray(snapshot["clock"])
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _admit(self, worker, iteration) -> int | None:
+        if worker is None:
+            return None
+        if self.consistency.waits:
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda: self.consistency.ready(iteration, self.clock.slowest()))
+        staleness = iteration - self.clock.slowest()
+        self._staleness.append(staleness)
+        return staleness
+
+    def _read(self, keys, slot):
+        positions = self.table.locate(keys, f"KVWorker.pull (server {self.rank})")
+        source = self.table.values if slot is None else self._slot(slot)
+        values = source[self.table.elements(positions)]
+        lens = self.table.offsets[positions + 1] - self.table.offsets[positions]
+        self._counts["pulls"] += 1
+        self._counts["bytes_pulled"] += values.nbytes
+        # A slice is a view of the live store: publish a snapshot before the next push lands.
+        return self.publish(values), lens
+
+    def _slot(self, slot: int) -> np.ndarray:
+        slots = [leaf for leaf in jax.tree.leaves(self.state) if _is_slot(leaf, self.table.values)]
+        if not 0 <= slot < len(slots):
+            raise ValueError(f"KVWorker.pull: slot {slot} does not exist; the handle "
+                             f"{self.handle!r} keeps {len(slots)} per-element slots.")
+        return np.asarray(slots[slot])
+
+    def _apply(self, keys, values, lens, cmd) -> None:
+        api = f"KVWorker.push (server {self.rank})"
+        if cmd not in (UPDATE, ASSIGN):
+            raise ValueError(f"{api}: cmd must be px.ps.UPDATE (0) or px.ps.ASSIGN (1), got "
+                             f"{cmd!r}.")
+        values = np.asarray(values).reshape(-1)
+        if lens is None:
+            width = values.size // keys.size if keys.size else 0
+            lens = np.full(keys.size, width, np.int64)
+        positions, missing = self.table.find(keys)
+        if missing.any():
+            self._insert(keys[missing], np.asarray(lens)[missing])
+            positions, _ = self.table.find(keys)
+        stored_lens = self.table.offsets[positions + 1] - self.table.offsets[positions]
+        if not np.array_equal(stored_lens, lens):
+            bad = int(np.argmax(stored_lens != lens))
+            raise ValueError(f"{api}: key {keys[bad]} holds {stored_lens[bad]} values on the "
+                             f"server but {lens[bad]} were pushed; a key's length is fixed "
+                             f"when it is first pushed.")
+        self._counts["pushes"] += 1
+        self._counts["bytes_pushed"] += values.nbytes
+        if keys.size == 0:
+            return  # a clock tick only
+        where = self.table.elements(positions)
+        if cmd == ASSIGN:
+            self.table.values[where] = values
+            fresh = self.handle.init(values)
+            self.state = self._scatter(self.state, where, fresh, shared=False)
+            return
+        stored = self.table.values[where]
+        part = jax.tree.map(lambda leaf: leaf[where] if _is_slot(leaf, self.table.values) else leaf,
+                            self.state)
+        new, part = self.handle.push(stored, values, part)
+        if not (isinstance(where, slice) and np.shares_memory(new, self.table.values)):
+            self.table.values[where] = new
+        self.state = self._scatter(self.state, where, part, shared=True)
+
+    def _scatter(self, state, where, part, *, shared: bool):
+        """Writes ``part``'s per-element leaves at ``where``; shared leaves kept or replaced."""
+        def put(leaf, new):
+            if _is_slot(leaf, self.table.values):
+                leaf = np.array(leaf) if not leaf.flags.writeable else leaf
+                leaf[where] = new
+                return leaf
+            return np.asarray(new) if shared else leaf
+        return jax.tree.map(put, state, part)
+
+    def _insert(self, keys, lens) -> None:
+        old_size = self.table.values.size
+        old_values = self.table.values
+        gather = self.table.insert(keys, lens)
+        fresh = self.handle.init(np.zeros(self.table.values.size - old_size, old_values.dtype))
+
+        def merge(leaf, new):
+            if np.shape(leaf) == old_values.shape:
+                return np.concatenate([np.asarray(leaf), np.asarray(new)])[gather]
+            return leaf
+        if old_size == 0:
+            self.state = self.handle.init(self.table.values)
+        else:
+            self.state = jax.tree.map(merge, self.state, fresh)

@@ -1,0 +1,234 @@
+"""``KVWorker``: push, pull and wait, with PS-Lite's timestamps.
+
+A request is sliced by key range and sent to every server it touches at once (one Ray actor
+call each); it returns a timestamp at once, and :meth:`KVWorker.wait` blocks until every
+server has answered, returning the pulled values in key order. The table of requests in
+flight is PS-Lite's ``Customer``; Ray's actor calls and object store are its ``Van``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import ray
+
+from parallax.ps.consistency import BoundedDelay
+from parallax.ps.errors import ServerUnavailableError
+from parallax.ps.handles import UPDATE
+from parallax.ps.keys import KeyRange, check_keys, slice_bounds, value_offsets
+
+
+@dataclasses.dataclass
+class _Request:
+    """One request in flight: which servers were asked, and their replies' refs."""
+
+    pull: bool
+    servers: list[int]
+    refs: list
+
+
+class KVWorker:
+    """A worker's (or the driver's) connection to the servers: PS-Lite's ``KVWorker``.
+
+    Get one from :meth:`parallax.ps.KVStore.worker` (a ranked worker, counted by the vector
+    clocks) or :meth:`parallax.ps.KVStore.client` (no rank: reads and writes outside the
+    iteration count). A ``KVWorker`` pickles, so it can be handed to a Ray task or actor;
+    requests in flight stay behind.
+
+    Each :meth:`push` of a ranked worker ends one *iteration*: under
+    ``BoundedDelay(tau)`` its next :meth:`pull` is answered only when every worker has
+    finished ``iteration - tau``. Pulled arrays are read-only views of Ray's object store.
+
+    Example:
+      >>> import numpy as np, parallax as px
+      >>> _ = px.ps.init_cluster()  # a local Ray cluster on 127.0.0.1 (no-op if one runs)
+      >>> with px.ps.KVStore(num_servers=1) as store:
+      ...     worker = store.worker(0)
+      ...     keys = np.array([7, 2**63 + 1], np.uint64)          # sorted uint64 keys
+      ...     stamp = worker.push(keys, np.array([1.0, 2.0], np.float32))  # returns at once
+      ...     worker.wait(stamp)                                   # acknowledged
+      ...     worker.wait(worker.pull(keys)).tolist()
+      [1.0, 2.0]
+
+    References:
+      PS-Lite, ``KVWorker::Push``/``Pull``/``Wait`` (``include/ps/kv_app.h``); Li et al.,
+      OSDI 2014.
+    """
+
+    def __init__(self, servers: list, ranges: tuple[KeyRange, ...], *, rank: int | None,
+                 consistency: BoundedDelay, dtype):
+        self._servers = list(servers)
+        self._ranges = tuple(ranges)
+        self.rank = rank
+        self.consistency = consistency
+        self.dtype = np.dtype(dtype)
+        self.iteration = 0
+        self.staleness: list[int] = []
+        self.bytes_pulled = 0
+        self._next_timestamp = 0
+        self._pending: dict[int, _Request] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_pending"] = {}  # replies belong to the process that asked
+        return state
+
+    # -- requests --------------------------------------------------------------------------
+
+    def push(self, keys, values, lens=None, cmd: int = UPDATE) -> int:
+        """Sends ``values`` for sorted ``keys`` to their servers; returns a timestamp.
+
+        Args:
+          keys: sorted, unique uint64 keys.
+          values: the values, flat in key order (or ``[len(keys), k]``).
+          lens: values per key, when keys have different lengths.
+          cmd: ``px.ps.UPDATE`` (the server's handle) or ``px.ps.ASSIGN`` (overwrite).
+
+        Returns:
+          The request's timestamp, for :meth:`wait`.
+        """
+        keys, values, offsets, bounds = self._prepare("KVWorker.push", keys, values, lens)
+        tick = self.rank is not None and self.consistency.waits  # every server's clock moves
+        request = _Request(pull=False, servers=[], refs=[])
+        for server, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if lo == hi and not tick:
+                continue
+            piece_lens = None if lens is None else np.asarray(lens)[lo:hi]
+            request.servers.append(server)
+            request.refs.append(self._servers[server].push.remote(
+                keys[lo:hi], values[offsets[lo]:offsets[hi]], piece_lens, cmd, self.rank,
+                self.iteration))
+        if self.rank is not None:
+            self.iteration += 1
+        return self._track(request)
+
+    def pull(self, keys, slot: int | None = None) -> int:
+        """Asks for the values of sorted ``keys``; returns a timestamp for :meth:`wait`.
+
+        Args:
+          keys: sorted, unique uint64 keys, each pushed before.
+          slot: None for the values; ``i`` for the handle's ``i``-th per-element state
+            (an optimizer's moments).
+        """
+        keys = check_keys("KVWorker.pull", keys)
+        bounds = slice_bounds("KVWorker.pull", keys, self._ranges)
+        request = _Request(pull=True, servers=[], refs=[])
+        for server, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if lo < hi:
+                request.servers.append(server)
+                request.refs.append(self._servers[server].pull.remote(
+                    keys[lo:hi], slot, self.rank, self.iteration))
+        return self._track(request)
+
+    def push_pull(self, keys, values, lens=None, cmd: int = UPDATE) -> int:
+        """A push, then a pull of the same keys answered after it (one round trip each server).
+
+        Returns:
+          A timestamp; :meth:`wait` returns the values after the push (and after whatever
+          the consistency model makes the pull wait for).
+        """
+        keys, values, offsets, bounds = self._prepare("KVWorker.push_pull", keys, values, lens)
+        request = _Request(pull=True, servers=[], refs=[])
+        for server, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if lo == hi:
+                if self.rank is not None and self.consistency.waits:
+                    self._servers[server].push.remote(keys[lo:hi], values[:0], None, cmd,
+                                                      self.rank, self.iteration)
+                continue
+            piece_lens = None if lens is None else np.asarray(lens)[lo:hi]
+            request.servers.append(server)
+            request.refs.append(self._servers[server].push_pull.remote(
+                keys[lo:hi], values[offsets[lo]:offsets[hi]], piece_lens, cmd, self.rank,
+                self.iteration))
+        if self.rank is not None:
+            self.iteration += 1
+        return self._track(request)
+
+    def wait(self, timestamp: int, *, with_lens: bool = False):
+        """Blocks until the request ``timestamp`` is answered by every server it went to.
+
+        Args:
+          timestamp: what :meth:`push`, :meth:`pull` or :meth:`push_pull` returned.
+          with_lens: also return each key's number of values.
+
+        Returns:
+          None for a push; for a pull, the values in key order (flat), or
+          ``(values, lens)`` with ``with_lens``. Waiting again for a finished request
+          returns None at once (pulled values are handed out once).
+
+        Raises:
+          ServerUnavailableError: a server of the request died.
+        """
+        request = self._pending.pop(timestamp, None)
+        if request is None:
+            if isinstance(timestamp, int) and 0 <= timestamp < self._next_timestamp:
+                return None  # already waited for (PS-Lite's Wait is idempotent too)
+            raise ValueError(f"KVWorker.wait: timestamp {timestamp!r} was never issued by this "
+                             f"worker (it has issued 0..{self._next_timestamp - 1}).")
+        replies = self._get(request.refs, request.servers)
+        if not request.pull:
+            return None
+        inner = [i for i, reply in enumerate(replies) if isinstance(reply[0], ray.ObjectRef)]
+        fetched = self._get([replies[i][0] for i in inner], [request.servers[i] for i in inner])
+        values = [reply[0] for reply in replies]
+        for i, array in zip(inner, fetched):
+            values[i] = array
+        lens = [reply[1] for reply in replies]
+        staleness = [reply[2] for reply in replies if reply[2] is not None]
+        if staleness:
+            self.staleness.append(max(staleness))
+        flat = values[0] if len(values) == 1 else (
+            np.concatenate(values) if values else np.zeros(0, self.dtype))
+        self.bytes_pulled += flat.nbytes
+        if with_lens:
+            return flat, (lens[0] if len(lens) == 1 else np.concatenate(lens) if lens
+                          else np.zeros(0, np.int64))
+        return flat
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _prepare(self, api, keys, values, lens):
+        keys = check_keys(api, keys)
+        values = np.asarray(values)
+        if values.dtype != self.dtype:
+            if not np.can_cast(values.dtype, self.dtype, "same_kind"):
+                raise TypeError(f"{api}: the store holds {self.dtype} values, got "
+                                f"{values.dtype}; cast them (values.astype({self.dtype.name})).")
+            values = values.astype(self.dtype)
+        values = values.reshape(-1)
+        offsets = value_offsets(api, keys, values, lens)
+        return keys, values, offsets, slice_bounds(api, keys, self._ranges)
+
+    def _track(self, request: _Request) -> int:
+        timestamp = self._next_timestamp
+        self._next_timestamp += 1
+        self._pending[timestamp] = request
+        return timestamp
+
+    def _get(self, refs, servers):
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as error:
+            dead = _dead_server(refs, servers)
+            where = ("" if dead is None else
+                     f" server {dead} of {len(self._servers)} (keys [{self._ranges[dead].begin}, "
+                     f"{self._ranges[dead].end})):")
+            raise ServerUnavailableError(
+                f"KVWorker.wait: a parameter server is unreachable;{where} its process died "
+                f"({type(error).__name__}) and its values are lost. Restart the servers and "
+                f"restore them from a checkpoint (KVStore.save / KVStore.restore).") from None
+        except ray.exceptions.RayTaskError as error:
+            raise error.cause from None
+
+
+def _dead_server(refs, servers) -> int | None:
+    """Which of the asked servers failed (None if none can be singled out)."""
+    for ref, server in zip(refs, servers):
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            return server
+        except Exception:  # noqa: BLE001 - only the dead server matters here
+            continue
+    return None

@@ -1,0 +1,58 @@
+"""TensorFlow's distribution API (``tf.distribute``), re-created on parallax's SPMD machinery.
+
+Two families live here: the mirrored strategies (``MirroredStrategy``,
+``MultiWorkerMirroredStrategy``, the cross-device ops) and the parameter-server strategy with
+its ``ClusterCoordinator`` (on Ray). See ``docs/tf.md``.
+"""
+
+# The mirrored strategies.
+from parallax.tf.cross_device_ops import CollectiveAllReduce as CollectiveAllReduce
+from parallax.tf.cross_device_ops import CrossDeviceOps as CrossDeviceOps
+from parallax.tf.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+from parallax.tf.cross_device_ops import NcclAllReduce as NcclAllReduce
+from parallax.tf.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
+from parallax.tf.distributed_input import InputContext as InputContext
+from parallax.tf.distributed_input import ValueContext as ValueContext
+from parallax.tf.losses import compute_average_loss as compute_average_loss
+from parallax.tf.losses import scale_regularization_loss as scale_regularization_loss
+from parallax.tf.mirrored import MirroredStrategy as MirroredStrategy
+from parallax.tf.mirrored import get_strategy as get_strategy
+from parallax.tf.multi_worker import CommunicationOptions as CommunicationOptions
+from parallax.tf.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+from parallax.tf.reduce_op import ReduceOp as ReduceOp
+from parallax.tf.replica_context import ReplicaContext as ReplicaContext
+from parallax.tf.replica_context import get_replica_context as get_replica_context
+from parallax.tf.replica_context import in_cross_replica_context as in_cross_replica_context
+from parallax.tf.values import Mirrored as Mirrored
+from parallax.tf.values import PerReplica as PerReplica
+from parallax.tf.values import VariableAggregation as VariableAggregation
+
+# The parameter-server strategy and its coordinator. They run on Ray, an optional
+# extra (parallax[ps]): the partitioners load here, the Ray-backed names on first use, so that
+# `import parallax.tf` (and the mirrored strategies) never imports ray.
+import importlib as _importlib  # noqa: E402
+
+from parallax.tf.cluster_resolver import RayClusterResolver as RayClusterResolver  # noqa: E402
+from parallax.tf.partitioners import FixedShardsPartitioner as FixedShardsPartitioner  # noqa: E402
+from parallax.tf.partitioners import MaxSizePartitioner as MaxSizePartitioner  # noqa: E402
+from parallax.tf.partitioners import MinSizePartitioner as MinSizePartitioner  # noqa: E402
+from parallax.tf.partitioners import Partitioner as Partitioner  # noqa: E402
+
+_PARAMETER_SERVER_NAMES = {
+    "ClusterCoordinator": "parallax.tf.coordinator",
+    "FunctionCancelledError": "parallax.tf.remote_value",
+    "ParameterServerStrategy": "parallax.tf.parameter_server",
+    "PerWorkerIterator": "parallax.tf.remote_value",
+    "PerWorkerValues": "parallax.tf.remote_value",
+    "RemoteValue": "parallax.tf.remote_value",
+    "ServerModel": "parallax.tf.server_model",
+    "ShardedVariable": "parallax.tf.sharded_variable",
+    "SparseRows": "parallax.tf.sharded_variable",
+    "embedding_lookup": "parallax.tf.embedding",
+}
+
+
+def __getattr__(name: str):
+    if name in _PARAMETER_SERVER_NAMES:
+        return getattr(_importlib.import_module(_PARAMETER_SERVER_NAMES[name]), name)
+    raise AttributeError(f"module 'parallax.tf' has no attribute {name!r}")

@@ -1,0 +1,167 @@
+"""Where code runs: inside one replica (``strategy.run``) or across replicas (``scope()``).
+
+TensorFlow code asks ``tf.distribute.get_replica_context()`` which replica it is and reduces
+across replicas through it. Here ``strategy.run`` traces the replica function once, inside
+a ``shard_map`` over the replica axes, with a :class:`ReplicaContext` active; its
+``replica_id_in_sync_group`` is ``lax.axis_index`` (a traced value, different on every
+device) and ``all_reduce`` is the strategy's cross-device op. Outside any strategy a default
+context with one replica is returned, so the same replica function runs on one device
+unchanged (its all-reduces are identities), as in TensorFlow.
+
+Both contexts are scoped with ``contextvars`` (set on entry, restored on exit), never module
+globals that outlive the ``with`` block.
+
+References:
+  TensorFlow, ``tf.distribute.ReplicaContext``, ``get_replica_context``,
+  ``in_cross_replica_context``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from parallax.tf.reduce_op import as_reduce_op
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaContext:
+    """The replica a traced function runs as, and its collectives.
+
+    Attributes:
+      strategy: the strategy running the replica (None for the default context).
+      num_replicas_in_sync: how many replicas run the function together.
+      replica_axes: the mesh axes that index the replicas (``()`` outside ``run``).
+
+    Example:
+      >>> ctx = get_replica_context()          # no strategy: one replica
+      >>> ctx.num_replicas_in_sync, int(ctx.replica_id_in_sync_group)
+      (1, 0)
+      >>> float(ctx.all_reduce("SUM", 3.0))
+      3.0
+
+    References:
+      TensorFlow, ``tf.distribute.ReplicaContext``.
+    """
+
+    strategy: Any = None
+    num_replicas_in_sync: int = 1
+    replica_axes: tuple[str, ...] = ()
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array:
+        """This replica's index, ``0 .. num_replicas_in_sync - 1`` (traced inside ``run``)."""
+        if not self.replica_axes:
+            return jnp.int32(0)
+        return lax.axis_index(self.replica_axes)
+
+    def all_reduce(self, reduce_op, value):
+        """Reduces ``value`` (a pytree of arrays) across the replicas; all get the result.
+
+        Args:
+          reduce_op: ``px.tf.ReduceOp.SUM`` or ``MEAN`` (or their names).
+          value: this replica's pytree of arrays.
+
+        Returns:
+          The reduction, same structure, on every replica, computed by the strategy's
+          cross-device op (``strategy.cross_device_ops``).
+        """
+        op = as_reduce_op("px.tf.ReplicaContext.all_reduce", reduce_op)
+        leaves, treedef = jax.tree.flatten(value)
+        leaves = [jnp.asarray(v) for v in leaves]
+        if not self.replica_axes or not leaves:
+            return jax.tree.unflatten(treedef, leaves)
+        ops = self.strategy.cross_device_ops
+        reduced = ops.all_reduce(leaves, self.replica_axes, op, self.strategy.mesh)
+        return jax.tree.unflatten(treedef, reduced)
+
+    def all_gather(self, value, axis: int):
+        """Concatenates every replica's ``value`` along ``axis`` (replica order).
+
+        Args:
+          value: this replica's pytree of arrays (each of rank >= 1).
+          axis: the dimension to concatenate along.
+
+        Returns:
+          The gathered pytree, the same on every replica.
+        """
+        if not self.replica_axes:
+            return jax.tree.map(jnp.asarray, value)
+        return jax.tree.map(
+            lambda v: lax.all_gather(jnp.asarray(v), self.replica_axes, axis=axis, tiled=True),
+            value)
+
+
+_DEFAULT = ReplicaContext()
+_replica: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
+    "parallax_tf_replica_context", default=None)
+_scope: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "parallax_tf_strategy_scope", default=None)
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current :class:`ReplicaContext`.
+
+    Returns:
+      Inside ``strategy.run``: the replica's context. Inside ``strategy.scope()`` but
+      outside ``run`` (cross-replica context): ``None``. Outside any strategy: the default
+      context (one replica).
+
+    Example:
+      >>> import parallax as px
+      >>> strategy = px.tf.MirroredStrategy()
+      >>> with strategy.scope():
+      ...     print(get_replica_context())
+      None
+      >>> strategy.run(lambda: get_replica_context().replica_id_in_sync_group).values[3]
+      Array(3, dtype=int32)
+
+    References:
+      TensorFlow, ``tf.distribute.get_replica_context``.
+    """
+    current = _replica.get()
+    if current is not None:
+        return current
+    return None if _scope.get() is not None else _DEFAULT
+
+
+def in_cross_replica_context() -> bool:
+    """True inside ``strategy.scope()`` and outside ``strategy.run``.
+
+    Example:
+      >>> in_cross_replica_context()
+      False
+    """
+    return _replica.get() is None and _scope.get() is not None
+
+
+def current_scope():
+    """The strategy whose ``scope()`` is active, or None."""
+    return _scope.get()
+
+
+@contextlib.contextmanager
+def replica(context: ReplicaContext):
+    """Makes ``context`` the replica context inside the ``with`` block (used by ``run``)."""
+    token = _replica.set(context)
+    try:
+        yield context
+    finally:
+        _replica.reset(token)
+
+
+@contextlib.contextmanager
+def cross_replica_scope(strategy):
+    """Marks ``strategy``'s scope active inside the ``with`` block (used by ``scope()``)."""
+    token = _scope.set(strategy)
+    try:
+        yield strategy
+    finally:
+        _scope.reset(token)
+

@@ -107,7 +107,8 @@ def hlo_text(program) -> str:
     return program.as_text()
 
 
-def _computations(text: str) -> dict[str, list[str]]:
+def computations(text: str) -> dict[str, list[str]]:
+    """The HLO text's computations: name -> the lines of its body."""
     blocks: dict[str, list[str]] = {}
     current = None
     for line in text.splitlines():
@@ -122,7 +123,8 @@ def _computations(text: str) -> dict[str, list[str]]:
     return blocks
 
 
-def _entry_name(text: str) -> str:
+def entry_name(text: str) -> str:
+    """The name of the HLO text's ENTRY computation."""
     for line in text.splitlines():
         if line.startswith("ENTRY"):
             return _COMPUTATION.match(line).group(1)
@@ -217,8 +219,8 @@ def collectives(program, mesh=None) -> list[Collective]:
       A list of :class:`Collective`. Async pairs (``all-reduce-start``/``-done``) count once.
     """
     text = hlo_text(program)
-    blocks = _computations(text)
-    entry = _entry_name(text)
+    blocks = computations(text)
+    entry = entry_name(text)
     count, conditional = _multiplicities(blocks, entry)
     num_devices = mesh.size if mesh is not None else None
     found = []

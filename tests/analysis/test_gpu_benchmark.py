@@ -1,0 +1,25 @@
+"""benchmarks/gpu.sh runs on CPU (GPT tiny) and appends its rows to a RESULTS.md."""
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[2]
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_on_cpu_with_the_tiny_config(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--tiny", "--results",
+                           str(results)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "px/jit" in done.stdout and "MFU px" in done.stdout and "all_reduce" in done.stdout
+    text = results.read_text()
+    step_rows = [line for line in text.splitlines() if "| tiny |" in line]
+    assert len(step_rows) == 1 and "| cpu" in step_rows[0]
+    assert "## Collectives (parallax bench comm)" in text and "| all_reduce | xla |" in text

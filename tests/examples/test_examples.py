@@ -1,0 +1,89 @@
+"""Every script in examples/ runs with ``--steps 2``; examples/README.md lists each one.
+
+Single-process examples run in this test process (``runpy`` with a patched ``sys.argv``: the
+8 simulated CPU devices and the compilation cache of the suite are already set up, so no
+process pays JAX's start-up). Multi-process examples run under ``parallax launch -np 2``,
+and the Ray ones in their own process (their local cluster stops with it); those start
+together and are waited for together. An example not named below runs in process. An
+example that a test elsewhere already runs, with a stronger check, is not run twice
+(``COVERED``: the script and the test that runs it).
+"""
+
+import os
+import pathlib
+import re
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[2]
+EXAMPLES = ROOT / "examples"
+LAUNCHED = {"multiprocess_dp_fsdp.py"}  # parallax launch -np 2
+OWN_PROCESS = {"ps_async_train.py", "ps_embedding.py"}  # Ray: a local cluster of processes
+COVERED = {  # run (and checked against one device) by these tests
+    "horovod_train.py": "tests/horovod/programs/collectives.py",  # under parallax launch
+    "resumable_train.py": "tests/checkpoint/test_example.py",  # stopped, resumed, bitwise
+    "stock_cnn.py": "tests/byom/test_example.py",  # against a plain nnx loop
+}
+EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"]}
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
+IN_PROCESS = [s for s in SCRIPTS if s not in LAUNCHED | OWN_PROCESS | set(COVERED)]
+
+
+def argv(name: str, tmp: pathlib.Path) -> list[str]:
+    return ["--steps", "2"] + [a.format(tmp=tmp) for a in EXTRA.get(name, [])]
+
+
+@pytest.mark.parametrize("name", sorted(COVERED))
+def test_examples_run_elsewhere_are_run_there(name):
+    assert name.removesuffix(".py") in (ROOT / COVERED[name]).read_text()
+
+
+def test_the_readme_lists_every_example_once():
+    text = (EXAMPLES / "README.md").read_text()
+    listed = re.findall(r"^\| \[`(\w+\.py)`\]", text, flags=re.M)
+    assert sorted(listed) == SCRIPTS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_example_runs_in_process(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *argv(name, tmp_path)])
+    monkeypatch.chdir(tmp_path)  # anything an example writes by default lands here
+    try:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    except SystemExit as exit_:
+        assert exit_.code in (0, None), capsys.readouterr().out[-3000:]
+    assert capsys.readouterr().out
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    return env
+
+
+@pytest.mark.slow
+def test_multi_process_and_ray_examples_run(tmp_path):
+    names = sorted((LAUNCHED | OWN_PROCESS) & set(SCRIPTS))
+    started = {}
+    for name in names:
+        script = [sys.executable, str(EXAMPLES / name), *argv(name, tmp_path / name)]
+        if name in LAUNCHED:
+            script = [sys.executable, "-m", "parallax.cli", "launch", "-np", "2", *script]
+        started[name] = subprocess.Popen(script, cwd=tmp_path, env=_env(), text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    failed = {}
+    for name, proc in started.items():
+        try:
+            out, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # by its pid: this test started it
+            out, _ = proc.communicate()
+        if proc.returncode != 0:
+            failed[name] = out[-3000:]
+    assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())

@@ -13,16 +13,22 @@ Pick a mesh and a strategy, create the state sharded, decorate a step:
 """
 
 from parallax import analysis as analysis
+from parallax import checkpoint as checkpoint
 from parallax import comm as comm
+from parallax import distributed as distributed
 from parallax import models as models
 from parallax import nn as nn
 from parallax import pipeline as pipeline
+from parallax import ps as ps
 from parallax import rules as rules
 from parallax import testing as testing
+from parallax import tf as tf
 from parallax.grad import value_and_grad as value_and_grad
 from parallax.mesh import make_hybrid_mesh as make_hybrid_mesh
 from parallax.mesh import make_mesh as make_mesh
 from parallax.activations import constrain as constrain
+from parallax.analysis.auto import plan as plan
+from parallax.analysis.explain import explain as explain
 from parallax.state import TrainState as TrainState
 from parallax.step import TrainStep as TrainStep
 from parallax.step import init as init
@@ -31,6 +37,7 @@ from parallax.step import train_step as train_step
 from parallax.strategies import FSDP as FSDP
 from parallax.strategies import HSDP as HSDP
 from parallax.strategies import Pipeline as Pipeline
+from parallax.strategies import ReduceToOne as ReduceToOne
 from parallax.strategies import BucketedSync as BucketedSync
 from parallax.strategies import DataParallel as DataParallel
 from parallax.strategies import GradientAccumulation as GradientAccumulation
@@ -48,24 +55,31 @@ __all__ = [
     "GradientAccumulation",
     "HSDP",
     "Pipeline",
+    "ReduceToOne",
     "Strategy",
     "TensorParallel",
     "TrainState",
     "TrainStep",
     "ZeRO",
     "analysis",
+    "checkpoint",
     "comm",
     "compose",
     "constrain",
+    "distributed",
+    "explain",
     "init",
     "make_hybrid_mesh",
     "make_mesh",
     "models",
     "nn",
     "pipeline",
+    "ps",
+    "plan",
     "rules",
     "shard",
     "testing",
+    "tf",
     "train_step",
     "value_and_grad",
 ]

@@ -1,4 +1,4 @@
-"""The ``parallax`` command: ``demo`` and ``bench``."""
+"""The ``parallax`` command: ``demo``, ``explain``, ``plan``, ``bench`` and ``launch``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ import argparse
 import sys
 
 import jax
+
+from parallax.analysis import commands as analysis_commands
+from parallax.distributed import launch as launch_lib
+from parallax.distributed import runtime as distributed_runtime
 
 
 def simulate_cpu_devices(count: int) -> str:
@@ -24,18 +28,38 @@ def simulate_cpu_devices(count: int) -> str:
     return f"{jax.device_count()} {backend} devices"
 
 
+def _join_launched_job() -> bool:
+    """Under ``parallax launch`` (or torchrun, TF_CONFIG): join the job before JAX starts."""
+    return distributed_runtime.initialize().is_multiprocess
+
+
 def _demo(args) -> int:
     from parallax import demo
 
-    print(f"parallax demo: {simulate_cpu_devices(args.devices)}")
+    if _join_launched_job() and args.devices is None:
+        print(f"parallax demo: process {jax.process_index()} of {jax.process_count()}, "
+              f"{jax.device_count()} devices in all")
+    else:
+        print(f"parallax demo: {simulate_cpu_devices(args.devices or 8)}")
     result = demo.run(args.strategy, steps=args.steps, batch=args.batch,
-                      tensor=args.tensor, progress=not args.quiet)
+                      tensor=args.tensor, progress=not args.quiet,
+                      checkpoint_dir=args.checkpoint_dir)
     print(demo.report(result))
     if not demo.loss_gap_ok(result, args.tolerance):
         print(f"FAILED: the parallel run differs from one device by more than "
               f"{args.tolerance:g} (relative)", file=sys.stderr)
         return 1
     return 0
+
+
+def _explain(args) -> int:
+    print(f"parallax explain: {simulate_cpu_devices(args.devices or 8)}")
+    return analysis_commands.run_explain(args)
+
+
+def _plan(args) -> int:
+    print(f"parallax plan: {simulate_cpu_devices(args.devices or 8)}")
+    return analysis_commands.run_plan(args)
 
 
 def _bench_comm(args) -> int:
@@ -56,13 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
                            "the devices present)")
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--batch", type=int, default=16)
-    demo.add_argument("--devices", type=int, default=8,
-                      help="simulated CPU devices when no accelerator is present")
+    demo.add_argument("--devices", type=int, default=None,
+                      help="simulated CPU devices when no accelerator is present (default 8; "
+                           "under parallax launch, --devices-per-process decides)")
     demo.add_argument("--tensor", type=int, default=2, help="tensor-parallel size")
     demo.add_argument("--tolerance", type=float, default=1e-4,
                       help="largest relative loss difference accepted vs one device")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument("--checkpoint-dir", default=None,
+                      help="resume from the newest checkpoint in this directory (if any) and "
+                           "save to it every 10 steps and at the end")
     demo.set_defaults(run=_demo)
+
+    explain = commands.add_parser(
+        "explain", help="predicted vs compiled memory, collectives, flops and time of a step",
+        description=analysis_commands.__doc__)
+    analysis_commands.add_explain_arguments(explain)
+    explain.set_defaults(run=_explain)
+
+    plan = commands.add_parser("plan", help="propose a mesh and a strategy for a model",
+                               description=analysis_commands.__doc__)
+    analysis_commands.add_plan_arguments(plan)
+    plan.set_defaults(run=_plan)
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)
@@ -73,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     comm_bench.add_arguments(comm)
     comm.set_defaults(run=_bench_comm)
+
+    launch = commands.add_parser(
+        "launch", help="start N processes of a program (like horovodrun / torchrun)",
+        description=launch_lib.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    launch_lib.add_arguments(launch)
+    launch.set_defaults(run=launch_lib.main)
     return parser
 
 

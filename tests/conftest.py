@@ -32,3 +32,5 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from ray_fixtures import ray_cluster  # noqa: E402, F401  (one Ray cluster per test session)

@@ -14,8 +14,18 @@ MODULES = sorted(
 )
 
 
-@pytest.mark.parametrize("name", MODULES)
-def test_examples_run(name):
+# Modules whose examples start Ray actors: they run in the session's one Ray cluster, on the
+# xdist worker that runs the other Ray tests.
+RAY = ("parallax.ps.", "parallax.tf.parameter_server", "parallax.tf.coordinator",
+       "parallax.tf.sharded_variable", "parallax.tf.server_model", "parallax.tf.embedding")
+PARAMS = [pytest.param(m, marks=pytest.mark.xdist_group("ray")) if m.startswith(RAY) else m
+          for m in MODULES]
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_examples_run(name, request):
+    if name.startswith(RAY):
+        request.getfixturevalue("ray_cluster")
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"

@@ -20,7 +20,8 @@ CORE = {
     "parallax.activations", "parallax.batch", "parallax.context", "parallax.grad",
     "parallax.layout", "parallax.mesh", "parallax.microbatch", "parallax.rules",
     "parallax.state", "parallax.step", "parallax.strategy", "parallax.vma",
-    "parallax.local_shards",
+    "parallax.local_shards", "parallax.rng", "parallax.finite", "parallax.aux",
+    "parallax.mutable", "parallax.local_loss", "parallax.producer", "parallax.guards",
 }
 BUILT_ON_CORE = ("parallax.strategies", "parallax.nn", "parallax.pipeline")
 

@@ -4,23 +4,27 @@ Each parallelism keeps its strategy and its mechanism together; the core (``layo
 ``grad``, ``step``) calls the mechanism through the strategy's fields and never imports
 this package.
 
-parallelism            strategy file     mechanism                          tests
----------------------  ----------------  ---------------------------------  ------------------
-data parallel          ``data.py``       ``psum`` in ``parallax.grad``;     test_equivalence.py
-(DDP, Horovod)         ``sync.py``       DDP buckets: ``comm.bucket``       test_sync.py
-ZeRO 1/2/3, FSDP,      ``zero.py``       ``ZeroSharding``: shard dimension, test_zero.py
-HSDP                                     all-gather, reduce-scatter         test_layout.py
-tensor and sequence    ``tensor.py``     rules, ``MegatronCheck``; layers:  test_tensor_parallel.py
-(Megatron)                               ``parallax.nn``; traffic:          nn/
-                                         ``analysis.tensor_traffic``
-gradient accumulation  ``accumulate.py`` ``parallax.microbatch``            test_equivalence.py
-pipeline (GPipe, 1F1B, ``pipeline.py``   ``parallax.pipeline``: schedules,  test_pipeline_strategy
-interleaved)                             runtime, partitioning              pipeline/
+=======================  ====================  ============================  ==================
+parallelism              strategy files        mechanism                     tests
+=======================  ====================  ============================  ==================
+data parallel (DDP,      data.py, sync.py,     psum in parallax.grad; DDP    test_equivalence,
+Horovod, PyTorch DP)     reduce_to_one.py      buckets over comm.bucket      test_sync,
+                                                                             test_reduce_to_one
+ZeRO 1/2/3, FSDP, HSDP   zero.py               ZeroSharding: shard dim,      test_zero,
+                                               all-gather, reduce-scatter    test_layout
+tensor and sequence      tensor.py,            rules and MegatronCheck;      test_tensor_parallel,
+(Megatron)               tensor_plan.py,       parallax.nn layers; traffic   nn/, byom/
+                         tensor_sequence.py    in analysis.tensor_traffic
+gradient accumulation    accumulate.py         parallax.microbatch           test_equivalence
+pipeline (GPipe, 1F1B,   pipeline.py           parallax.pipeline: schedules, test_pipeline_strategy,
+interleaved, ZB, V)                            runtime, weight versions      pipeline/
+=======================  ====================  ============================  ==================
 """
 
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation
 from parallax.strategies.data import DataParallel as DataParallel
 from parallax.strategies.pipeline import Pipeline as Pipeline
+from parallax.strategies.reduce_to_one import ReduceToOne as ReduceToOne
 from parallax.strategies.sync import BucketedSync as BucketedSync
 from parallax.strategies.tensor import TensorParallel as TensorParallel
 from parallax.strategies.zero import FSDP as FSDP

@@ -36,7 +36,8 @@ def _join_launched_job() -> bool:
 def _demo(args) -> int:
     from parallax import demo
 
-    if _join_launched_job() and args.devices is None:
+    launched = _join_launched_job() and args.devices is None
+    if launched:
         print(f"parallax demo: process {jax.process_index()} of {jax.process_count()}, "
               f"{jax.device_count()} devices in all")
     else:
@@ -45,11 +46,13 @@ def _demo(args) -> int:
                       tensor=args.tensor, progress=not args.quiet,
                       checkpoint_dir=args.checkpoint_dir)
     print(demo.report(result))
-    if not demo.loss_gap_ok(result, args.tolerance):
+    ok = demo.loss_gap_ok(result, args.tolerance)
+    if not ok:
         print(f"FAILED: the parallel run differs from one device by more than "
               f"{args.tolerance:g} (relative)", file=sys.stderr)
-        return 1
-    return 0
+    if launched:  # process 0 hosts the coordinator: it must not leave before the others
+        distributed_runtime.shutdown()
+    return 0 if ok else 1
 
 
 def _explain(args) -> int:

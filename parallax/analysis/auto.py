@@ -18,6 +18,8 @@ References:
   Zheng et al., "Alpa: Automating Inter- and Intra-Operator Parallelism for Distributed
   Deep Learning", OSDI 2022 (search over parallel plans with a cost model); Narayanan et
   al., SC 2021 (the 3D parallelism design space).
+
+(A little over 300 lines: the planner's search, one loop over candidates and its report.)
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Example:
   ...             in_specs=jax.P("data"), out_specs=jax.P()))
   >>> [c.kind for c in hlo.collectives(f.lower(jnp.ones(jax.device_count())), mesh)]
   ['all-reduce']
+
+(Over 300 lines: the one reader of HLO text, call graph, collectives and memory, kept
+in one module so every communication claim reads the program the same way.)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,7 +46,7 @@ _ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
@@ -131,6 +135,46 @@ def entry_name(text: str) -> str:
     raise ValueError("hlo: the text has no ENTRY computation; pass compiled.as_text().")
 
 
+class Call(NamedTuple):
+    """A computation that one HLO instruction calls.
+
+    ``kind`` is ``"body"`` or ``"condition"`` (a ``while``; ``times`` is the body's known trip
+    count), ``"branch"`` (a ``conditional``: ``branch`` is its index, ``branches`` how many
+    there are, the false branch first for a two-way one), ``"call"`` or ``"fusion"``.
+    """
+
+    callee: str
+    kind: str
+    times: int = 1
+    branch: int | None = None
+    branches: int = 0
+
+
+def calls(line: str) -> list[Call]:
+    """The computations an HLO instruction line calls: the one call-graph reader of parallax."""
+    out: list[Call] = []
+    if " while(" in line:
+        trip = _TRIP_COUNT.search(line)
+        times = int(trip.group(1)) if trip else 1
+        for kind in ("body", "condition"):
+            m = re.search(kind + r"=%([\w.\-]+)", line)
+            if m:
+                out.append(Call(m.group(1), kind, times if kind == "body" else 1))
+    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if branches:
+        names = re.findall(r"%([\w.\-]+)", branches.group(1))
+        out += [Call(name, "branch", 1, i, len(names)) for i, name in enumerate(names)]
+    for i, key in enumerate(("false_computation", "true_computation")):
+        m = re.search(key + r"=%([\w.\-]+)", line)
+        if m:
+            out.append(Call(m.group(1), "branch", 1, i, 2))
+    for kind, key in (("call", r"\bcall\(.*to_apply"), ("fusion", r"\bfusion\(.*calls")):
+        m = re.search(key + r"=%([\w.\-]+)", line)
+        if m:
+            out.append(Call(m.group(1), kind))
+    return out
+
+
 def _multiplicities(blocks: dict[str, list[str]], entry: str):
     """How often each computation runs per program call, and whether under a conditional."""
     count: dict[str, int] = defaultdict(int)
@@ -138,30 +182,12 @@ def _multiplicities(blocks: dict[str, list[str]], entry: str):
     count[entry], order = 1, [entry]
     for name in order:  # breadth-first from the entry; HLO call graphs are acyclic
         for line in blocks.get(name, ()):
-            calls: list[tuple[str, int, bool]] = []
-            body = re.search(r"body=%([\w.\-]+)", line)
-            if " while(" in line and body:
-                trip = _TRIP_COUNT.search(line)
-                calls.append((body.group(1), int(trip.group(1)) if trip else 1, False))
-                cond = re.search(r"condition=%([\w.\-]+)", line)
-                if cond:
-                    calls.append((cond.group(1), 1, False))
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if branches:
-                for b in re.findall(r"%([\w.\-]+)", branches.group(1)):
-                    calls.append((b, 1, True))
-            for key in ("true_computation", "false_computation"):
-                m = re.search(key + r"=%([\w.\-]+)", line)
-                if m:
-                    calls.append((m.group(1), 1, True))
-            m = re.search(r"\bcall\(.*to_apply=%([\w.\-]+)", line)
-            if m:
-                calls.append((m.group(1), 1, False))
-            for callee, times, cond in calls:
-                if callee not in count:
-                    order.append(callee)
-                count[callee] = max(count[callee], count[name] * times)
-                conditional[callee] = conditional[callee] or conditional[name] or cond
+            for call in calls(line):
+                if call.callee not in count:
+                    order.append(call.callee)
+                count[call.callee] = max(count[call.callee], count[name] * call.times)
+                conditional[call.callee] = (conditional[call.callee] or conditional[name]
+                                            or call.kind == "branch")
     return count, conditional
 
 
@@ -258,7 +284,7 @@ def collectives(program, mesh=None) -> list[Collective]:
                 count=count.get(computation, 0) or 1,
                 conditional=conditional.get(computation, False),
                 in_entry=computation == entry,
-                op_name=op_name.group(1) if (op_name := _OP_NAME.search(line)) else "",
+                op_name=op_name.group(1) if (op_name := OP_NAME.search(line)) else "",
             ))
     return found
 

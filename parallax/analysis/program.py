@@ -81,28 +81,6 @@ class PipelineBranches:
         return None if true is None else [1 - true, true]
 
 
-def _calls(line: str):
-    """``(callee, times, branch_index, branches)`` for each computation a line calls."""
-    out = []
-    body = re.search(r"body=%([\w.\-]+)", line)
-    if " while(" in line and body:
-        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-        out.append((body.group(1), int(trip.group(1)) if trip else 1, None, 0))
-    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-    if branches:
-        names = re.findall(r"%([\w.\-]+)", branches.group(1))
-        out += [(name, 1, i, len(names)) for i, name in enumerate(names)]
-    for i, key in enumerate(("false_computation", "true_computation")):
-        m = re.search(key + r"=%([\w.\-]+)", line)
-        if m:
-            out.append((m.group(1), 1, i, 2))
-    for key in (r"\bcall\(.*to_apply", r"\bfusion\(.*calls"):
-        m = re.search(key + r"=%([\w.\-]+)", line)
-        if m:
-            out.append((m.group(1), 1, None, 0))
-    return out
-
-
 def computation_counts(text: str, pipeline: PipelineBranches | None = None) -> dict[str, float]:
     """How many times each computation runs per call of the program (per device).
 
@@ -116,14 +94,17 @@ def computation_counts(text: str, pipeline: PipelineBranches | None = None) -> d
     def visit(name: str, weight: float, trip: int | None, kind: int | None) -> None:
         counts[name] += weight
         for line in blocks.get(name, ()):
-            for callee, times, index, n in _calls(line):
-                w, inner_kind = weight * times, kind
+            for call in hlo.calls(line):
+                if call.kind == "condition":
+                    continue
+                index, n = call.branch, call.branches
+                w, inner_kind = weight * call.times, kind
                 if index is not None and pipeline is not None:
                     if n == 4 and trip == pipeline.ticks and kind is None:
                         w, inner_kind = weight * pipeline.switch()[index], index
                     elif kind is not None and (nested := pipeline.nested(kind, n, line)):
                         w = weight * nested[index]
-                visit(callee, w, times if times > 1 else trip, inner_kind)
+                visit(call.callee, w, call.times if call.times > 1 else trip, inner_kind)
 
     visit(hlo.entry_name(text), 1.0, None, None)
     return dict(counts)
@@ -247,16 +228,16 @@ def pipeline_ticks(program) -> int | None:
             return False
         seen.add(name)
         for line in blocks.get(name, ()):
-            calls = _calls(line)
-            if any(n == 4 for _, _, _, n in calls):
+            calls = hlo.calls(line)
+            if any(c.branches == 4 for c in calls):
                 return True
-            if any(has_switch(callee, seen) for callee, *_ in calls):
+            if any(has_switch(c.callee, seen) for c in calls):
                 return True
         return False
 
     for lines in blocks.values():
         for line in lines:
-            for callee, times, _, _ in _calls(line):
-                if " while(" in line and times > 1 and has_switch(callee, set()):
-                    return times
+            for c in hlo.calls(line):
+                if c.kind == "body" and c.times > 1 and has_switch(c.callee, set()):
+                    return c.times
     return None

@@ -24,19 +24,15 @@ import argparse
 import dataclasses
 import os
 import shutil
-import socket
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 
+from parallax.distributed.coordinator_address import (LaunchError, check_port_free, free_port,
+                                                       split_address, wait_for_coordinator)
 from parallax.distributed.supervisor import GroupResult, ProcessGroup
 
 PROG = "parallax launch"
-
-
-class LaunchError(Exception):
-    """A launch that cannot start: bad arguments, a busy port, an unreachable coordinator."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise LaunchError(f"--nnodes {args.nnodes} needs --coordinator HOST:PORT (an address "
                           "of node 0 that every node can reach).")
     if args.coordinator is not None:
-        _split(args.coordinator)
+        split_address(args.coordinator)
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts} must be >= 0.")
     if args.min_np is not None and not (1 <= args.min_np <= args.nproc and args.nnodes == 1):
@@ -155,49 +151,6 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                         args.node_rank, args.coordinator, args.max_restarts, args.grace,
                         args.exit_grace, args.connect_timeout, not args.no_prefix,
                         args.min_np)
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LaunchError(f"--coordinator {address!r} is not HOST:PORT (e.g. 10.0.0.1:29400).")
-    return host.strip("[]"), int(port)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_port_free(address: str) -> None:
-    """Node 0: the coordinator's port must be free to bind."""
-    host, port = _split(address)
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as error:
-        raise LaunchError(f"cannot use the coordinator address {address}: {error.strerror} "
-                          "(port in use? pick another with --coordinator HOST:PORT).") from None
-
-
-def wait_for_coordinator(address: str, timeout_s: float) -> None:
-    """Nodes other than 0: the coordinator must answer within ``timeout_s``."""
-    host, port = _split(address)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError as error:
-            if time.monotonic() >= deadline:
-                raise LaunchError(
-                    f"cannot reach the coordinator {address} after {timeout_s:g} s "
-                    f"({error.strerror or error}); start node 0 with the same --coordinator, "
-                    "or raise --connect-timeout.") from None
-            time.sleep(0.2)
 
 
 def plan(config: LaunchConfig, attempt: int, nproc: int | None = None,

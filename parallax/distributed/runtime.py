@@ -19,6 +19,8 @@ off. :func:`shutdown` at the end of a program is the exact, synchronised exit.
 
 The process joins one cluster at a time; like ``jax.distributed``'s own state, the spec it
 joined is remembered for :func:`local_rank` and :func:`local_size`.
+
+(A little over 300 lines: jax.distributed's lifecycle and the queries on it.)
 """
 
 from __future__ import annotations

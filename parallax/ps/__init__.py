@@ -10,7 +10,6 @@ parts, only when one of their names is first used, so ``import parallax.ps`` (an
 ``import parallax``) never imports ray.
 """
 
-import importlib
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # must precede `import ray`
@@ -25,6 +24,7 @@ from parallax.ps.keys import MAX_KEY as MAX_KEY  # noqa: E402
 from parallax.ps.keys import KeyRange as KeyRange  # noqa: E402
 from parallax.ps.keys import server_key_ranges as server_key_ranges  # noqa: E402
 from parallax.ps.optax_handle import OptaxHandle as OptaxHandle  # noqa: E402
+from parallax.lazy_names import loader  # noqa: E402
 
 # Names whose modules import ray: loaded on first use.
 _LAZY = {
@@ -35,11 +35,7 @@ _LAZY = {
     "run_workers": "parallax.ps.workers",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'parallax.ps' has no attribute {name!r}")
+__getattr__ = loader("parallax.ps", _LAZY)
 
 
 __all__ = [

@@ -30,8 +30,7 @@ from parallax.tf.values import VariableAggregation as VariableAggregation
 # The parameter-server strategy and its coordinator. They run on Ray, an optional
 # extra (parallax[ps]): the partitioners load here, the Ray-backed names on first use, so that
 # `import parallax.tf` (and the mirrored strategies) never imports ray.
-import importlib as _importlib  # noqa: E402
-
+from parallax.lazy_names import loader as _loader  # noqa: E402
 from parallax.tf.cluster_resolver import RayClusterResolver as RayClusterResolver  # noqa: E402
 from parallax.tf.partitioners import FixedShardsPartitioner as FixedShardsPartitioner  # noqa: E402
 from parallax.tf.partitioners import MaxSizePartitioner as MaxSizePartitioner  # noqa: E402
@@ -51,8 +50,4 @@ _PARAMETER_SERVER_NAMES = {
     "embedding_lookup": "parallax.tf.embedding",
 }
 
-
-def __getattr__(name: str):
-    if name in _PARAMETER_SERVER_NAMES:
-        return getattr(_importlib.import_module(_PARAMETER_SERVER_NAMES[name]), name)
-    raise AttributeError(f"module 'parallax.tf' has no attribute {name!r}")
+__getattr__ = _loader("parallax.tf", _PARAMETER_SERVER_NAMES)

@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 
@@ -65,7 +66,7 @@ def _op_name(op: ReduceOp) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossDeviceOps:
+class CrossDeviceOps(abc.ABC):
     """Base of the cross-device ops: how ``all_reduce`` sums per-replica values.
 
     Subclasses implement ``all_reduce(values, axes, op, mesh) -> list`` (called inside the
@@ -80,9 +81,9 @@ class CrossDeviceOps:
         """The replica mesh this op wants: ``((name, size), ...)``; one axis by default."""
         return ((REPLICA_AXIS, num_replicas),)
 
+    @abc.abstractmethod
     def all_reduce(self, values: list, axes: tuple[str, ...], op: ReduceOp, mesh) -> list:
         """Reduces each of ``values`` over ``axes``; every replica gets the results."""
-        raise NotImplementedError(f"{type(self).__name__} must define all_reduce.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,9 @@ those axes. ``docs/tf.md`` maps every TensorFlow concept to its counterpart here
 References:
   TensorFlow, ``tf.distribute.MirroredStrategy`` and the guide "Custom training with
   tf.distribute.Strategy".
+
+(Over 300 lines: TensorFlow's MirroredStrategy is one class with a wide public API; its
+mechanisms live in replica_program, cross_replica and distributed_input.)
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ not divide the rows, the first ones take one row more.
 
 from __future__ import annotations
 
+import abc
 import math
 
 import numpy as np
@@ -35,7 +36,7 @@ def _positive(api: str, name: str, value) -> int:
     return value
 
 
-class Partitioner:
+class Partitioner(abc.ABC):
     """Base class: ``partitioner(shape, dtype) -> [shards, 1, 1, ...]``.
 
     Example:
@@ -46,8 +47,9 @@ class Partitioner:
       TensorFlow, ``tf.distribute.experimental.partitioners.Partitioner``.
     """
 
+    @abc.abstractmethod
     def __call__(self, shape, dtype) -> list[int]:
-        raise NotImplementedError
+        """The number of partitions per axis of a variable of ``shape`` and ``dtype``."""
 
 
 class FixedShardsPartitioner(Partitioner):

@@ -14,6 +14,8 @@ Four methods, all over per-layer costs (numbers, or the
 
 All optimising methods solve their min-max problem exactly (a dynamic program over prefix
 sums; torchgpipe's block-partition algorithm finds the same optimum).
+
+(A little over 300 lines: four methods that share one min-max search and its checks.)
 """
 
 from __future__ import annotations

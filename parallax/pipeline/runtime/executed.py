@@ -25,15 +25,12 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
+from parallax.analysis import hlo
+
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|c64|c128|f8\w*)\[([\d,]*)\]")
 _OPERAND = re.compile(r"%([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
          "partition-id", "replica-id", "opt-barrier", "while", "conditional", "call", "iota"}
 _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate",
@@ -68,10 +65,11 @@ class _Instruction:
     attributes: str
     root: bool
     args: str  # the raw operand text ("0" for parameter(0))
+    calls: tuple[hlo.Call, ...]  # the computations it calls (loops, branches, fusions)
 
 
 def _bytes(type_text: str) -> int:
-    return sum(_SIZES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+    return sum(hlo.DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
                for dtype, dims in _ARRAY.findall(type_text))
 
 
@@ -92,39 +90,26 @@ def _split_call(rest: str) -> tuple[str, str]:
 
 def _parse(text: str) -> tuple[dict[str, list[_Instruction]], str]:
     computations: dict[str, list[_Instruction]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        head = _COMPUTATION.match(line)
-        if head:
-            current = head.group(1)
-            computations[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        match = _INSTRUCTION.match(line) if current is not None else None
-        if match:
-            root, name, result, opcode, rest = match.groups()
-            args, attributes = _split_call(rest)
-            computations[current].append(
-                _Instruction(name, opcode, result, tuple(_OPERAND.findall(args)), attributes,
-                             bool(root), args))
+    for name, lines in hlo.computations(text).items():
+        body = computations[name] = []
+        for line in lines:
+            match = _INSTRUCTION.match(line)
+            if match:
+                root, result_name, result, opcode, rest = match.groups()
+                args, attributes = _split_call(rest)
+                body.append(_Instruction(result_name, opcode, result,
+                                         tuple(_OPERAND.findall(args)), attributes, bool(root),
+                                         args, tuple(hlo.calls(line))))
     # operands are printed by name: their types are their definitions' result types
     types = {i.name: i.result for body in computations.values() for i in body}
     for body in computations.values():
         body[:] = [dataclasses.replace(i, operands=tuple((types.get(n, ""), n)
                                                          for n in i.operands)) for i in body]
-    return computations, entry
+    return computations, hlo.entry_name(text)
 
 
-def _called(attributes: str, key: str) -> list[str]:
-    match = re.search(key + r"=\{([^}]*)\}", attributes)
-    if match:
-        return _OPERAND.findall(match.group(1))
-    match = re.search(key + r"=%([\w.\-]+)", attributes)
-    return [match.group(1)] if match else []
+def _called(ins: _Instruction, *kinds: str) -> list[hlo.Call]:
+    return [c for c in ins.calls if c.kind in kinds]
 
 
 Fractions = Callable[[str, int], "list[float] | None"]
@@ -170,20 +155,14 @@ def executed_cost(program, fractions: Fractions | None = None, *,
         cost = Cost()
         cost.ops[ins.opcode] += 1
         if ins.opcode == "while":
-            trips = _TRIP.search(ins.attributes)
-            times = int(trips.group(1)) if trips and trip_counts else 1
-            for callee in _called(ins.attributes, "body") + _called(ins.attributes,
-                                                                      "condition"):
-                cost.add(computation_cost(callee), times)
+            body = _called(ins, "body")
+            times = body[0].times if body and trip_counts else 1
+            for call in _called(ins, "body", "condition"):  # the condition runs as often
+                cost.add(computation_cost(call.callee), times)
             return cost
         if ins.opcode == "conditional":
-            branches = [computation_cost(b) for b in _called(ins.attributes,
-                                                             "branch_computations")]
-            if not branches:  # the two-branch form: true_computation / false_computation
-                branches = [computation_cost(b) for key in ("true_computation",
-                                                            "false_computation")
-                            for b in _called(ins.attributes, key)]
-            op_name = _OP_NAME.search(ins.attributes)
+            branches = [computation_cost(c.callee) for c in _called(ins, "branch")]
+            op_name = hlo.OP_NAME.search(ins.attributes)
             weights = fractions(op_name.group(1) if op_name else "", len(branches)) \
                 if fractions else None
             if weights is None:
@@ -194,13 +173,13 @@ def executed_cost(program, fractions: Fractions | None = None, *,
                     cost.add(branch, weight)
             return cost
         if ins.opcode == "call":
-            for callee in _called(ins.attributes, "to_apply"):
-                cost.add(computation_cost(callee))
+            for call in _called(ins, "call"):
+                cost.add(computation_cost(call.callee))
             return cost
         if ins.opcode in _FREE:
             return cost
         if ins.opcode == "fusion":
-            fused = _called(ins.attributes, "calls")
+            fused = [c.callee for c in _called(ins, "fusion")]
             inner = _fused_cost(computations, fused[0]) if fused else (0.0, {})
             cost.flops += inner[0]
             cost.bytes += _fusion_bytes(ins, computations.get(fused[0], []) if fused else [])

@@ -15,7 +15,9 @@ falls on all of them alike, and only ratios measured together mean anything):
 - ``px BucketedSync``: DDP's buckets as one ``psum`` per bucket (``packing="operands"``,
   the default);
 - ``px BucketedSync flat``: buckets as a concatenated flat buffer (the previous default);
-- ``px BucketedSync bf16``: operands, bf16 on the wire.
+- ``px BucketedSync bf16``: operands, bf16 on the wire;
+- ``JAX all-reduce alone`` and ``torch all-reduce alone``: one gradient-sized (16 MB)
+  all-reduce over gloo and nothing else, to tell the collective's cost from the step's.
 
 It prints each program's median milliseconds per step and the ratios to torch DDP and to
 ``px.DataParallel``. What moved the numbers is in ``docs/distributed.md``.
@@ -70,12 +72,19 @@ def torch_program(batch, lr):
         opt.step()
         return loss
 
-    return lambda: step().item()
+    grads = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def all_reduce():  # the collective alone: one gradient-sized all-reduce over gloo
+        dist.all_reduce(grads)
+        return grads[0].item()
+
+    return (lambda: step().item()), all_reduce
 
 
 def jax_programs(batch, lr):
     """name -> a function running one step (blocking), for the JAX programs."""
     import jax
+    import numpy as np
     import optax
     from flax import nnx
 
@@ -123,6 +132,19 @@ def jax_programs(batch, lr):
 
         return run
 
+    def all_reduce():  # the collective alone: one gradient-sized psum, as XLA runs it
+        size = LAYERS * (WIDTH * WIDTH + WIDTH)
+        summed = jax.jit(jax.shard_map(lambda g: jax.lax.psum(g, "data"), mesh=mesh,
+                                       in_specs=jax.P("data"), out_specs=jax.P("data")))
+        grads = [px.distributed.global_batch(np.ones((size,), np.float32), mesh,
+                                             px.DataParallel("data"))]
+
+        def run():
+            grads[0] = summed(grads[0])
+            return float(grads[0][0])
+
+        return run
+
     return {
         "hand-written JAX": hand_written(),
         "px.DataParallel": stepper(px.DataParallel("data")),
@@ -131,6 +153,7 @@ def jax_programs(batch, lr):
             "data", sync=px.BucketedSync(packing="flat"))),
         "px BucketedSync bf16": stepper(px.DataParallel(
             "data", sync=px.BucketedSync(compression="bf16"))),
+        "JAX all-reduce alone": all_reduce(),
     }
 
 
@@ -156,10 +179,12 @@ def main(argv=None) -> int:
     batch = {"x": rng.standard_normal((args.batch, WIDTH), np.float32),
              "y": rng.standard_normal((args.batch, WIDTH), np.float32)}
     programs = {}
-    torch_step = torch_program(batch, args.lr)
-    if torch_step is not None:
-        programs["torch DDP"] = torch_step
+    torch_steps = torch_program(batch, args.lr)
+    if torch_steps is not None:
+        programs["torch DDP"] = torch_steps[0]
     programs.update(jax_programs(batch, args.lr))
+    if torch_steps is not None:
+        programs["torch all-reduce alone"] = torch_steps[1]
     for run in programs.values():  # compile and warm up
         run()
         run()

@@ -6,9 +6,10 @@ what runs on each device's slice before that is decided here. A strategy with a
 ``grad_fn`` (gradient accumulation, pipeline schedules) receives a :class:`GradRequest`;
 otherwise the slice's loss is accumulated over micro-batches
 (:func:`parallax.microbatch.accumulate`). Either way the result carries the module's
-non-parameter state (:class:`parallax.local_loss.LocalResult`); a producer that rebuilds the
-module itself and cannot carry that state (the pipelines, for now) is refused a model that
-has any.
+non-parameter state (:class:`parallax.local_loss.LocalResult`). A producer that rebuilds the
+module itself carries that state by reading it from the request's slice loss and returning
+it in a ``LocalResult`` (as ``px.Pipeline`` does, :mod:`parallax.pipeline.module_state`);
+``GradRequest.rebuild`` carries none, and refuses a model that has any.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class GradRequest(NamedTuple):
         reads the stages of a ``parallax.pipeline`` loss).
       rebuild: ``params -> what loss_fn takes`` (the NNX module, or the params themselves)
         for producers that do not carry module state; it raises for a module whose
-        forward pass writes state (BatchNorm, RNG streams).
+        forward pass writes state (BatchNorm, RNG streams). A producer that carries it reads
+        ``value_and_grad.target`` / ``.state`` / ``.position`` / ``.options`` instead and
+        returns a ``LocalResult`` as its aux.
       args: the extra arguments passed to ``loss_fn`` after the batch.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     """
@@ -54,8 +57,8 @@ class GradRequest(NamedTuple):
 def split_target(target):
     """(params, rebuild): an NNX module is differentiated w.r.t. its ``nnx.Param`` state.
 
-    For producers that rebuild the module themselves and carry no state (pipelines): a
-    module holding BatchNorm statistics or RNG streams is refused with a message.
+    For producers that rebuild the module themselves and carry no state: a module holding
+    BatchNorm statistics or RNG streams is refused with a message.
     """
     parts = Target.of(target)
     return parts.params, stateless_rebuild(parts, "this gradient producer")
@@ -67,13 +70,14 @@ def stateless_rebuild(parts: Target, who: str) -> Callable:
         return parts.rebuild
 
     def refuse(params):
-        raise NotImplementedError(
-            f"{API}: {who} produces gradients by rebuilding the model itself (as "
-            f"px.Pipeline's schedules do), which cannot carry a module's non-parameter state "
-            f"yet (mutable state under pipelines is not supported): the model holds "
-            f"{', '.join(parts.stateful_paths()[:4])}. Use "
-            "stages without BatchNorm or stored RNG streams (nnx.LayerNorm; dropout via "
-            "px.nn.dropout with a key passed in), or a strategy without px.Pipeline.")
+        raise ValueError(
+            f"{API}: {who} produces gradients by rebuilding the model from its parameters "
+            f"alone (GradRequest.rebuild), which drops the module's non-parameter state: the "
+            f"model holds {', '.join(parts.stateful_paths()[:4])}. In the producer, read the "
+            "state from GradRequest.value_and_grad (.target, .state, .position) and return a "
+            "parallax.local_loss.LocalResult as its aux, as px.Pipeline does; or give the "
+            "model no stored state (nnx.LayerNorm instead of BatchNorm; dropout via "
+            "px.nn.dropout with a key passed in).")
 
     return refuse
 

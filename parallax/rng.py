@@ -83,9 +83,11 @@ def _sliced_bits(key_data: jax.Array, bit_width: int, shape: tuple[int, ...]) ->
     k1, k2, index, rows = key_data[0], key_data[1], key_data[2], key_data[3]
     size = math.prod(shape)
     if size >= 2**32:
-        raise NotImplementedError(
-            f"parallax.rng: a draw of shape {shape} has {size} elements; sliced draws "
-            "support fewer than 2**32 per slice. Use rng='per_shard'.")
+        raise ValueError(
+            f"px.value_and_grad(rng='global'): a random draw of shape {shape} has {size} "
+            "elements on one batch slice; one device's draws are reproduced on a slice with "
+            "32-bit counters, so fewer than 2**32 per draw. Pass rng='per_shard' to "
+            "px.value_and_grad (independent streams per shard).")
     local = lax.iota(_U32, size).reshape(shape) if shape else jnp.zeros((), _U32)
     if shape:
         hit = rows == _U32(shape[0])

@@ -219,7 +219,7 @@ def tf_strategy():
 
 # --- the table ----------------------------------------------------------------------------
 
-T, V, NI = TypeError, ValueError, NotImplementedError
+T, V = TypeError, ValueError
 CASES = [
     # meshes
     ("mesh", "sizes that do not multiply to the device count",
@@ -413,13 +413,14 @@ CASES = [
                                  has_aux=True, microbatches=2)(jnp.ones(4), BATCH), V,
      r"the auxiliary value \(the value itself\) is an integer, bool or key that depends on "
      r"the micro-batch"),
-    ("grad", "a stateful model under a producer that rebuilds it (pipelines)",
-     stateful_step(px.compose(DP, px.Strategy(name="Rebuilding()", grad_fn=rebuilding))), NI,
-     r"produces gradients by rebuilding the model itself \(as px.Pipeline's schedules do\).*"
-     r"mutable state under pipelines is not supported.*bn/mean"),
-    ("grad", "BatchNorm state under px.Pipeline", pipelined_batch_norm, NI,
-     r"px.value_and_grad: DataParallel\('data'\) \+ Pipeline\('stage', microbatches=2, "
-     r"schedule='1f1b'\) produces gradients by rebuilding the model itself.*bn/mean"),
+    ("grad", "a stateful model under a custom producer that rebuilds it from parameters",
+     stateful_step(px.compose(DP, px.Strategy(name="Rebuilding()", grad_fn=rebuilding))), V,
+     r"Rebuilding\(\) produces gradients by rebuilding the model from its parameters alone "
+     r"\(GradRequest.rebuild\), which drops the module's non-parameter state: the model holds "
+     r".*bn/mean.*return a parallax.local_loss.LocalResult as its aux, as px.Pipeline does"),
+    ("grad", "whole-batch BatchNorm statistics under px.Pipeline", pipelined_batch_norm, V,
+     r"px.Pipeline: batch_stats='global' asks for BatchNorm statistics over the whole batch "
+     r"before the next layer runs.*pass batch_stats='per_microbatch' to px.value_and_grad"),
     ("grad", "an rbg key where one device's draws are wanted",
      stateful_step(rngs=nnx.Rngs(0, dropout=jax.random.key(1, impl="rbg"))), T,
      r"a rbg key cannot draw one device's values on a batch shard.*rng='per_shard'"),

@@ -4,6 +4,13 @@
 ``px.value_and_grad``. :class:`PipelineProducer` is that callable and, being a frozen
 dataclass, also the pipeline's settings, which ``px.pipeline.update`` reads back from the
 strategy in context (equal settings compare equal, so equal strategies still compose).
+
+An NNX module's non-parameter state (BatchNorm statistics, RNG streams) is read from the
+request's slice loss (``GradRequest.value_and_grad``: the split module, its state, the
+slice's position, the ``batch_stats`` / ``rng`` options), carried through the schedule by
+the runtime, and returned in a :class:`parallax.local_loss.LocalResult`, which
+``px.value_and_grad`` reduces over the batch shards and writes back as without a pipeline
+(:mod:`parallax.pipeline.module_state` says what is supported).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import dataclasses
 from typing import Any
 
 from parallax import context
+from parallax.local_loss import LocalResult
+from parallax.pipeline import module_state
 from parallax.pipeline.runtime.gradients import pipeline_grads
 from parallax.pipeline.stages import Stages
 
@@ -61,11 +70,19 @@ class PipelineProducer:
                 f"{API}: a pipelined loss takes (model, batch) and returns the loss only; "
                 f"got has_aux={request.has_aux} and {len(request.args)} extra arguments"
             )
-        loss, grads = pipeline_grads(
-            stages, params, request.rebuild, batch, schedule=self.schedule,
-            microbatches=self.microbatches, virtual_stages=self.virtual_stages,
-            split_backward=self.split_backward, axis=self.axis, remat=self.remat,
-            balance=self.balance, api=API)
+        settings = dict(schedule=self.schedule, microbatches=self.microbatches,
+                        virtual_stages=self.virtual_stages, split_backward=self.split_backward,
+                        axis=self.axis, remat=self.remat, balance=self.balance, api=API)
+        local = request.value_and_grad
+        target = getattr(local, "target", None)
+        if module_state.carries_state(target):
+            module_state.check(target, local.options, API, self.weights)
+            loss, grads, after = pipeline_grads(
+                stages, params, module_state.rebuild_for(target, local.options), batch,
+                state=local.state, run=module_state.run_for(local.options, local.position),
+                **settings)
+            return (loss, LocalResult(None, module_state.shared_exact(after), None, {})), grads
+        loss, grads = pipeline_grads(stages, params, request.rebuild, batch, **settings)
         return (loss, None), grads
 
 

@@ -96,14 +96,23 @@ def _metadata(layers: nnx.Module) -> dict:
 class Program(NamedTuple):
     """A :class:`Stages` loss as functions of flat lists of arrays, for the runtime.
 
+    Every function takes and returns the non-parameter state it runs with (empty lists for
+    a stateless model): the stacked layers' state travels with the layers, the rest with
+    ``first`` and ``last``.
+
     Attributes:
       stacked: the stacked layer parameters ``[L, ...]``.
       others: every other parameter (used by ``first`` and ``last``).
-      first: ``first(others, microbatch) -> x``.
-      layer: ``layer(leaves, x) -> x``, one layer from its slices of ``stacked``.
-      last: ``last(others, x, microbatch) -> loss``.
+      first: ``first(others, others_state, microbatch) -> (x, others_state)``.
+      layer: ``layer(leaves, x, state) -> (x, state)``, one layer from its slices of
+        ``stacked`` and ``stacked_state``.
+      last: ``last(others, others_state, x, microbatch) -> (loss, others_state)``.
       grads: ``grads(d_stacked, d_others) -> a tree shaped like the parameters`` (either
         may be ``None`` leaves: a tree with only the stacked, or only the other, leaves).
+      stacked_state: the stacked layers' non-parameter state ``[L, ...]`` (BatchNorm
+        statistics, RNG streams of each layer).
+      others_state: the rest of the module's non-parameter state.
+      state: ``state(stacked_state, others_state) -> the module's state tree``.
     """
 
     stacked: list
@@ -112,44 +121,82 @@ class Program(NamedTuple):
     layer: Callable
     last: Callable
     grads: Callable
+    stacked_state: list = []
+    others_state: list = []
+    state: Callable = lambda stacked_state, others_state: None
 
 
-def program(stages: Stages, params, rebuild: Callable, api: str) -> Program:
+def _leaves_at(state, paths: list, api: str, where: str) -> list:
+    """The values of ``state`` (an ``nnx.State``) at ``paths``, refusing new variables."""
+    by_path = dict(nnx.to_flat_state(state))
+    extra = [p for p in by_path if p not in set(paths)]
+    if extra:
+        raise ValueError(
+            f"{api}: {where} created the module variable {'.'.join(map(str, extra[0]))} "
+            "(sow or a new nnx.Variable); under a pipeline a forward pass may change "
+            "variables' values, not create them")
+    return [by_path[p].get_value() for p in paths]
+
+
+def _stateful_layer(stages: Stages, layers: nnx.Module, api: str, stateful: bool):
+    """``(params, rest, layer)`` of nnx stacked layers: ``layer(leaves, x, state)`` rebuilds
+    one layer from its slices and returns its state after ``stage`` (for a model whose state
+    is carried, ``stateful``; otherwise none, as before state was carried)."""
+    graphdef, state, rest = nnx.split(layers, nnx.Param, ...)
+    meta = _metadata(layers)
+
+    def one_layer(tree):  # the structure of one layer
+        one = jax.tree.map(lambda v: v[0], tree)
+        return nnx.spmd.remove_axis(one, 0, meta) if meta else one  # as nnx.scan does
+
+    one_def, one_rest = jax.tree.structure(one_layer(state)), one_layer(rest)
+    rest_def = jax.tree.structure(one_rest)
+    rest_paths = [p for p, _ in nnx.to_flat_state(one_rest)]
+
+    def layer(leaves, x, state_leaves):
+        model = nnx.merge(graphdef, jax.tree.unflatten(one_def, leaves),
+                          jax.tree.unflatten(rest_def, state_leaves))
+        y = stages.stage(model, x)
+        if not stateful:
+            return y, []
+        return y, _leaves_at(nnx.state(model, nnx.Not(nnx.Param)), rest_paths, api,
+                             "Stages.stage")
+
+    return state, rest, layer
+
+
+def program(stages: Stages, params, rebuild: Callable, api: str, state=None) -> Program:
     """Splits ``params`` into the stacked layers and the rest, and the loss into functions.
 
     Args:
       stages: the pipelined loss.
       params: what is differentiated (an ``nnx.State`` of params, or a pytree).
-      rebuild: ``params -> what stages' functions take`` (the module, or the params).
+      rebuild: ``params -> what stages' functions take`` (the module, or the params); with
+        ``state``, ``rebuild(params, state) -> the module``.
       api: the public name, for errors.
+      state: the module's non-parameter state (an ``nnx.State``), or None.
 
     Returns:
       A :class:`Program`.
     """
-    model = rebuild(params)
+    stateful = state is not None
+    model = rebuild(params, state) if stateful else rebuild(params)
     layers = stages.layers(model)
+    rest = None
     if isinstance(layers, nnx.Module):
-        graphdef, state, rest = nnx.split(layers, nnx.Param, ...)
-        if jax.tree.leaves(rest):
+        layer_state, rest, layer = _stateful_layer(stages, layers, api, stateful)
+        if jax.tree.leaves(rest) and not stateful:
             raise ValueError(
                 f"{api}: the stacked layers hold state other than nnx.Param "
                 f"({jax.tree.structure(rest)}); the pipeline runtime carries parameters only. "
                 "Keep non-trained variables out of the stacked layers."
             )
-        layer_leaves = jax.tree.leaves(state)
-        meta = _metadata(layers)
-        one = jax.tree.map(lambda v: v[0], state)  # the structure of one layer
-        if meta:
-            one = nnx.spmd.remove_axis(one, 0, meta)  # as nnx.scan does: drop "layers"
-        one_def = jax.tree.structure(one)
-
-        def layer(leaves, x):
-            return stages.stage(nnx.merge(graphdef, jax.tree.unflatten(one_def, leaves)), x)
+        layer_leaves = jax.tree.leaves(layer_state)
     else:
         layer_leaves, layer_def = jax.tree.flatten(layers)
 
-        def layer(leaves, x):
-            return stages.stage(jax.tree.unflatten(layer_def, leaves), x)
+        def layer(leaves, x, state_leaves):
+            return stages.stage(jax.tree.unflatten(layer_def, leaves), x), list(state_leaves)
 
     p_leaves, p_def = jax.tree.flatten(params)
     position = {id(x): i for i, x in enumerate(p_leaves)}
@@ -171,11 +218,50 @@ def program(stages: Stages, params, rebuild: Callable, api: str) -> Program:
             f"got leading sizes {sorted(map(str, sizes))}"
         )
 
-    def model_of(others: list) -> Any:
-        leaves: list = [None] * len(p_leaves)
-        for i, x in zip(other_at, others):
+    s_leaves, s_def = jax.tree.flatten(state) if stateful else ([], None)
+    s_paths = [p for p, _ in nnx.to_flat_state(state)] if stateful else []
+    s_position = {id(x): i for i, x in enumerate(s_leaves)}
+    rest_leaves = jax.tree.leaves(rest) if rest is not None else []
+    if any(id(x) not in s_position for x in rest_leaves):
+        raise ValueError(f"{api}: the stacked layers' non-parameter state was not found in "
+                         "the module's state")
+    state_stacked_at = [s_position[id(x)] for x in rest_leaves]
+    state_other_at = [i for i in range(len(s_leaves)) if i not in set(state_stacked_at)]
+
+    def fill(count, at, values):
+        leaves: list = [None] * count
+        for i, x in zip(at, values):
             leaves[i] = x
-        return rebuild(jax.tree.unflatten(p_def, leaves))
+        return leaves
+
+    def model_of(others: list, others_state: list) -> Any:
+        p = jax.tree.unflatten(p_def, fill(len(p_leaves), other_at, others))
+        if not stateful:
+            return rebuild(p)
+        return rebuild(p, jax.tree.unflatten(s_def, fill(len(s_leaves), state_other_at,
+                                                         others_state)))
+
+    def state_after(model, where: str) -> list:
+        if not stateful:
+            return []
+        after = _leaves_at(nnx.state(model, nnx.Not(nnx.Param)), s_paths, api, where)
+        return [after[i] for i in state_other_at]
+
+    def first(others, others_state, mb):
+        model = model_of(others, others_state)
+        return stages.first(model, mb), state_after(model, "Stages.first")
+
+    def last(others, others_state, x, mb):
+        model = model_of(others, others_state)
+        return stages.last(model, x, mb), state_after(model, "Stages.last")
+
+    def state_tree(stacked_state, others_state):
+        if not stateful:
+            return None
+        leaves = fill(len(s_leaves), state_stacked_at, stacked_state)
+        for i, x in zip(state_other_at, others_state):
+            leaves[i] = x
+        return jax.tree.unflatten(s_def, leaves)
 
     def grads(d_stacked, d_others):
         leaves: list = [None] * len(p_leaves)
@@ -188,8 +274,11 @@ def program(stages: Stages, params, rebuild: Callable, api: str) -> Program:
     return Program(
         stacked=[p_leaves[i] for i in stacked_at],
         others=[p_leaves[i] for i in other_at],
-        first=lambda others, mb: stages.first(model_of(others), mb),
+        first=first,
         layer=layer,
-        last=lambda others, x, mb: stages.last(model_of(others), x, mb),
+        last=last,
         grads=grads,
+        stacked_state=[s_leaves[i] for i in state_stacked_at],
+        others_state=[s_leaves[i] for i in state_other_at],
+        state=state_tree,
     )

@@ -25,6 +25,8 @@ from flax import nnx
 
 from parallax import context
 from parallax.grad import value_and_grad
+from parallax.mutable import StateOptions, Target
+from parallax.pipeline import module_state
 from parallax.pipeline.producer import FROM_UPDATE, PipelineProducer
 from parallax.pipeline.runtime.gradients import pipeline_update
 from parallax.pipeline.stages import Stages
@@ -122,6 +124,9 @@ def _stashed(loss, state, batch, producer: PipelineProducer, ctx):
             "inside the tick loop. Use weights='2bw' or 'flush' with data parallelism, or a "
             "mesh without those axes"
         )
+    parts = Target.of(state.model)
+    if module_state.carries_state(parts):
+        module_state.check(parts, StateOptions(), "px.Pipeline", "stashed")
     graphdef, rest = state.graphdef, state.rest
     value, params, opt_state = pipeline_update(
         loss, state.params, lambda p: nnx.merge(graphdef, p, rest), batch, state.tx,

@@ -30,6 +30,16 @@ def Pipeline(axis: str = "stage", *, microbatches: int, schedule: str | Schedule
     ``ZeRO`` and ``TensorParallel`` for 3D parallelism: the pipeline's ``shard_map`` is
     manual over ``axis`` only, inside the data-parallel one, with tensor axes left to GSPMD.
 
+    An NNX model's non-parameter state (``nnx.BatchNorm`` statistics, ``nnx.Dropout`` RNG
+    streams, in the stacked layers or in ``first`` / ``last``) is carried by the stages and
+    written back as without a pipeline, with ``weights="flush"`` and every schedule: a
+    BatchNorm in training mode needs ``px.value_and_grad(loss,
+    batch_stats="per_microbatch")`` (the state after the step then equals a one-device loop
+    over the micro-batches in order; the default ``"global"`` is refused with that fix); a
+    Dropout-only model keeps the default options (one device's masks over the whole batch).
+    ``weights="stashed"`` / ``"2bw"`` refuse a model with state
+    (:mod:`parallax.pipeline.module_state`).
+
     Args:
       axis: the mesh axis of the pipeline stages.
       microbatches: micro-batches per device slice of the batch, per step.

@@ -211,7 +211,8 @@ def test_keys_stay_plain_threefry_keys():
 
 
 def test_a_producer_that_carries_no_state_refuses_a_stateful_model():
-    """Pipelines rebuild the model themselves; with BatchNorm or RNG streams they say so."""
+    """A custom producer that rebuilds the model from its parameters alone would drop its
+    BatchNorm statistics or RNG streams; it is refused, with how px.Pipeline carries them."""
     def rebuilding(request, params, batch):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(request.rebuild(p), batch))(params)
         return (loss, None), grads
@@ -226,7 +227,7 @@ def test_a_producer_that_carries_no_state_refuses_a_stateful_model():
 
     state = px.shard(px.TrainState.create(Stateful(rngs=nnx.Rngs(0)), optax.sgd(0.0)), m,
                      strategy)
-    with pytest.raises(NotImplementedError, match=r"px.value_and_grad: DataParallel\('data'\) \+ "
-                       r"Rebuilding\(\) produces gradients by rebuilding the model itself .*"
-                       r"mutable state under pipelines is not supported.*the model holds bn/mean"):
+    with pytest.raises(ValueError, match=r"px.value_and_grad: DataParallel\('data'\) \+ "
+                       r"Rebuilding\(\) produces gradients by rebuilding the model from its "
+                       r"parameters alone .*the model holds bn/mean"):
         step(state, data())

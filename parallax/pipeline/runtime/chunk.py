@@ -11,6 +11,10 @@ The closure's structure comes from one template trace on *varying* dummy inputs 
 invariant dummies the rebuilt closure's cotangent types differ between switch branches).
 Residual leaves that are the layer's own parameters are not stashed: they are taken from the
 parameters again when the closure is rebuilt.
+
+Every layer also takes and returns its non-parameter state (``[layers, ...]`` per leaf for a
+chunk; none for a stateless model): ``F`` (and a rematerialised forward) returns the state
+after each layer; ``B`` and ``W`` read only what ``F`` stashed, so they never move it.
 """
 
 from __future__ import annotations
@@ -59,18 +63,27 @@ def _duplicates(values: list) -> dict:
 
 
 def template(layer: Callable, param_like: list, x_like, vary: Callable, policy,
-             api: str) -> Template:
-    """Splits ``layer`` and traces ``F`` once on varying dummies of the given shapes."""
+             api: str, state: list = ()) -> Template:
+    """Splits ``layer`` and traces ``F`` once on varying dummies of the given shapes.
+
+    ``layer(params, x, state) -> (x, new_state)``; ``state`` is one layer's non-parameter
+    state (values: keys cannot be dummies), empty for a stateless model.
+    """
     dummies = [vary(jnp.zeros(p.shape, p.dtype)) for p in param_like]
     x = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), x_like)
-    s = split(layer, dummies, x, api)
-    (y, pullback, operands), eps = _vjp(s, policy, vary, dummies, x)
+    state = list(state)
+    s = split(layer, dummies, x, api, state)
+    (y, pullback, (operands, new_state)), eps = _vjp(s, policy, vary, dummies, x, state)
     shapes = lambda t: jax.tree.map(lambda a: (a.shape, str(a.dtype)), t)  # noqa: E731
     if jax.tree.structure(y) != jax.tree.structure(x) or shapes(y) != shapes(x):
         raise ValueError(
             f"{api}: Stages.stage(layer, x) must return an x of the same structure, shape and "
             f"dtype as its input: got {shapes(y)} for an input {shapes(x)}"
         )
+    if shapes(new_state) != shapes(state):
+        raise ValueError(
+            f"{api}: Stages.stage(layer, x) changed the shapes or dtypes of the layer's "
+            f"non-parameter state: {shapes(state)} became {shapes(new_state)}")
     leaves, treedef = jax.tree.flatten(pullback)
     param_at, zero_at = _param_positions(leaves, dummies), _param_positions(leaves, eps)
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
@@ -80,13 +93,14 @@ def template(layer: Callable, param_like: list, x_like, vary: Callable, policy,
                     _duplicates(kept + list(operands)))
 
 
-def _vjp(s: Split, policy, vary, params, x):
-    """``F`` of one layer: (output, closure over ``(x, eps)``, the uses' operands), and the
-    zero perturbations (a checkpointed closure keeps them: they are not stashed)."""
+def _vjp(s: Split, policy, vary, params, x, state):
+    """``F`` of one layer: (output, closure over ``(x, eps)``, (the uses' operands, the new
+    state)), and the zero perturbations (a checkpointed closure keeps them: they are not
+    stashed)."""
     eps = [vary(jnp.zeros(e.shape, e.dtype)) for e in s.eps_like]
 
     def forward(x, eps):
-        return s.forward(params, x, eps)
+        return s.forward(params, x, eps, state)
 
     if policy is not None:
         forward = jax.checkpoint(forward, policy=policy)
@@ -106,7 +120,8 @@ class Chunk:
     activation and the gradient through and computing nothing.
 
     Args:
-      layer: ``layer(leaves, x) -> x`` (one layer's parameter slices).
+      layer: ``layer(leaves, x, state) -> (x, new_state)`` (one layer's parameter and
+        state slices).
       tmpl: the :class:`Template`.
       vary: casts a value to vary over the runtime's manual axes.
       policy: a ``jax.checkpoint`` policy applied to every layer's ``F``, or ``None``.
@@ -119,27 +134,40 @@ class Chunk:
         shape = (lambda a: a.shape) if layers is None else (lambda a: (layers, *a.shape))
         return [self.vary(jnp.zeros(shape(a), a.dtype)) for a in like]
 
+    def _vary_state(self, state) -> list:
+        """State leaves cast to vary like the rest (keys, which are not cast, stay)."""
+        return [v if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else self.vary(v)
+                for v in state]
+
     def _slot(self, on, real, skip):
         if on is None:
             return real()
         with jax.named_scope("pp_pad"):
             return lax.cond(on, real, skip)
 
-    def forward(self, params: list, x, mask=None):
-        """The chunk's output, keeping nothing (a rematerialised forward)."""
+    def forward(self, params: list, x, mask=None, state: list = ()):
+        """The chunk's output and its state after each layer, keeping nothing (a
+        rematerialised forward)."""
 
         def body(x, xs):
-            p, on = xs
-            return self._slot(on, lambda: self.layer(p, x), lambda: x), None
+            p, st, on = xs
 
-        return lax.scan(body, x, (params, mask))[0]
+            def real():
+                y, new = self.layer(p, x, st)
+                return y, self._vary_state(new)
 
-    def forward_stash(self, params: list, x, mask=None):
-        """``F``: the chunk's output and what each layer stashes, ``[layers, ...]``."""
+            return self._slot(on, real, lambda: (x, st))
+
+        return lax.scan(body, x, (params, list(state), mask))
+
+    def forward_stash(self, params: list, x, mask=None, state: list = ()):
+        """``F``: the chunk's output, what each layer stashes, ``[layers, ...]``, and the
+        state after each layer."""
         tmpl = self.tmpl
 
-        def real(p, x):
-            (y, pullback, operands), eps = _vjp(tmpl.split, self.policy, self.vary, p, x)
+        def real(p, x, st):
+            (y, pullback, (operands, new)), eps = _vjp(tmpl.split, self.policy, self.vary,
+                                                       p, x, st)
             leaves = jax.tree.leaves(pullback)
             if (_param_positions(leaves, p), _param_positions(leaves, eps)) != (
                     tmpl.param_at, tmpl.zero_at) or len(leaves) != len(tmpl.param_at) + len(
@@ -150,13 +178,16 @@ class Chunk:
             values = kept + list(operands)
             if _duplicates(values) != tmpl.same_as:
                 raise AssertionError("pipeline runtime: a layer's stash changed structure")
-            return y, [self.vary(v) for i, v in enumerate(values) if i not in tmpl.same_as]
+            kept = [self.vary(v) for i, v in enumerate(values) if i not in tmpl.same_as]
+            return y, (kept, self._vary_state(new))
 
         def body(x, xs):
-            p, on = xs
-            return self._slot(on, lambda: real(p, x), lambda: (x, self._zeros(tmpl.stashed)))
+            p, st, on = xs
+            return self._slot(on, lambda: real(p, x, st),
+                              lambda: (x, (self._zeros(tmpl.stashed), st)))
 
-        return lax.scan(body, x, (params, mask))
+        y, (stash, new) = lax.scan(body, x, (params, list(state), mask))
+        return y, stash, new
 
     def _pullback(self, p: list, stash: list):
         tmpl = self.tmpl

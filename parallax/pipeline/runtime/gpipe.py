@@ -24,6 +24,8 @@ from jax.sharding import PartitionSpec as P
 from parallax import context
 from parallax.grad import split_target
 from parallax.microbatch import check_microbatches
+from parallax.mutable import Target
+from parallax.pipeline import module_state
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.checks import check_count, check_remat
 from parallax.pipeline.runtime.layer_moves import check_layers
@@ -72,6 +74,13 @@ def gpipe_value_and_grad(stages: Stages, *, microbatches: int, axis: str = "stag
                          "px.pipeline.value_and_grad(stages, 'gpipe', ...) or remat='always'")
 
     def fn(target, batch):
+        parts = Target.of(target)
+        if module_state.carries_state(parts):
+            raise ValueError(
+                f"{API}: the model holds non-parameter state ({module_state.held(parts)}), "
+                "which GPipe by autodiff cannot carry (its backward re-runs the forward); use "
+                "px.pipeline.value_and_grad(stages, 'gpipe', microbatches=..., "
+                "batch_stats='per_microbatch'), whose table runtime carries it")
         params, rebuild = split_target(target)
         return _gpipe(stages, params, rebuild, batch, microbatches, axis,
                       remat=mode == "always", policy=policy)
@@ -91,7 +100,7 @@ def _gpipe(stages, params, rebuild, batch, M: int, axis: str, *, remat: bool, po
     vary = ticks.caster(outer | {axis})
 
     def chunk(params, x):
-        return lax.scan(lambda x, p: (prog.layer(p, x), None), x, params)[0]
+        return lax.scan(lambda x, p: (prog.layer(p, x, [])[0], None), x, params)[0]
 
     if remat or policy is not None:
         chunk = jax.checkpoint(chunk, policy=policy)
@@ -106,19 +115,21 @@ def _gpipe(stages, params, rebuild, batch, M: int, axis: str, *, remat: bool, po
         def local_loss(stacked, others):
             def tick(carry, t):
                 held, total = carry
-                x = lax.cond(s == 0, lambda: jax.tree.map(vary, prog.first(others, pick(t))),
+                x = lax.cond(s == 0, lambda: jax.tree.map(vary, prog.first(others, [],
+                                                                           pick(t))[0]),
                              lambda: held)
                 y = chunk(stacked, x)
                 m = t - (S - 1)
                 part = lax.cond((s == S - 1) & (m >= 0),
-                                lambda: vary(prog.last(others, y, pick(m)).astype(jnp.float32)),
+                                lambda: vary(prog.last(others, [], y, pick(m))[0].astype(
+                                    jnp.float32)),
                                 lambda: vary(jnp.zeros((), jnp.float32)))
                 if S > 1:
                     y = lax.ppermute(y, axis, [(i, (i + 1) % S) for i in range(S)])
                 return (y, total + part), None
 
             x0 = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)),
-                              jax.eval_shape(lambda: prog.first(others, pick(0))))
+                              jax.eval_shape(lambda: prog.first(others, [], pick(0))[0]))
             (_, total), _ = lax.scan(tick, (x0, vary(jnp.zeros((), jnp.float32))),
                                      jnp.arange(M + S - 1))
             return total / M

@@ -14,14 +14,18 @@ from collections.abc import Callable, Sequence
 from parallax import context
 from parallax.grad import split_target
 from parallax.microbatch import check_microbatches
+from parallax.mutable import StateOptions, Target
+from parallax.pipeline import module_state
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.optimizer import part_optimizer, replace_leaves
+from parallax.pipeline.runtime.stage_state import StateRun
 from parallax.pipeline.runtime.stashed import Versions
 from parallax.pipeline.runtime.checks import (POLICIES, REMAT, check_balance, check_count,
                                               check_remat, check_schedule_name, chunks_for,
                                               layout_for, resolve_schedule)
 from parallax.pipeline.schedules.table import Schedule
 from parallax.pipeline.stages import Stages, program
+from parallax.rng import WHOLE
 
 __all__ = ["POLICIES", "REMAT", "pipeline_grads", "pipeline_update", "value_and_grad"]
 API = "px.pipeline.value_and_grad"
@@ -30,12 +34,15 @@ API = "px.pipeline.value_and_grad"
 def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule="1f1b",
                    microbatches: int, virtual_stages: int | None = None,
                    split_backward: bool | None = None, axis: str = "stage",
-                   remat="except_last", balance=None, api: str = API, trace: bool = False):
+                   remat="except_last", balance=None, api: str = API, trace: bool = False,
+                   state=None, run: StateRun | None = None):
     """``(loss, grads)`` of ``stages`` on ``batch``, pipelined over mesh axis ``axis``.
 
-    With ``trace``, also the action codes each stage's switch ran at each tick,
-    ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what executed, to compare with
-    ``Schedule.as_arrays().kind``.
+    With ``state`` (the module's non-parameter state; ``rebuild(params, state)`` then
+    builds the module) and ``run`` (how it flows, :mod:`parallax.pipeline.module_state`),
+    ``(loss, grads, state_after)``. With ``trace``, also the action codes each stage's
+    switch ran at each tick, ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what
+    executed, to compare with ``Schedule.as_arrays().kind``.
     """
     mode, policy = check_remat(remat, api)
     virtual_stages = chunks_for(schedule, virtual_stages, api)
@@ -43,20 +50,38 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule
     sched = resolve_schedule(schedule, size, microbatches, virtual_stages, split_backward,
                              axis, api)
     check_microbatches(batch, sched.microbatches, api)
-    prog = program(stages, params, rebuild, api)
+    prog = program(stages, params, rebuild, api, state=state)
     layout = layout_for(prog.stacked[0].shape[0], sched, check_balance(balance, api), api,
                         axis)
+    _check_state_layers(prog, api)
     with context.manual((axis,)):
-        loss, d_stacked, d_others, *codes = ticks.execute(
+        loss, d_stacked, d_others, *rest = ticks.execute(
             prog, sched, batch, axis=axis, remat=mode, policy=policy, api=api, trace=trace,
-            layout=layout)
-    return (loss, prog.grads(d_stacked, d_others), *codes)
+            layout=layout, run=run if state is not None else None)
+    if state is None:
+        return (loss, prog.grads(d_stacked, d_others), *rest)
+    if prog.stacked_state or prog.others_state:
+        (s_new, o_new), *rest = rest
+    else:
+        s_new, o_new = [], []
+    return (loss, prog.grads(d_stacked, d_others), prog.state(s_new, o_new), *rest)
+
+
+def _check_state_layers(prog, api: str) -> None:
+    layers = prog.stacked[0].shape[0]
+    bad = [x.shape for x in prog.stacked_state if not x.ndim or x.shape[0] != layers]
+    if bad:
+        raise ValueError(
+            f"{api}: the stacked layers' non-parameter state must have the leading layer "
+            f"axis of their parameters ({layers}); got shapes {bad[:3]}. Build the layers "
+            "with nnx.vmap (and nnx.split_rngs for their RNG streams)")
 
 
 def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,
                    microbatches: int | None = None, virtual_stages: int | None = None,
                    split_backward: bool | None = None, axis: str = "stage",
-                   remat="except_last", balance: Sequence[int] | None = None) -> Callable:
+                   remat="except_last", balance: Sequence[int] | None = None,
+                   batch_stats: str = "global", rng: str = "global") -> Callable:
     """Pipelines a :class:`Stages` loss over mesh axis ``axis``: ``fn(model, batch)``.
 
     The batch is split into ``microbatches`` equal micro-batches (the batch is not split
@@ -83,6 +108,12 @@ def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,
       balance: layers per virtual stage (torchgpipe's ``balance``) or a
         ``px.pipeline.Plan`` from ``px.pipeline.partition``; default: an even split. Uneven
         stages run padded to the largest with masked, skipped slots.
+      batch_stats, rng: as for ``px.value_and_grad``, for an NNX module with
+        non-parameter state (BatchNorm statistics, RNG streams, in the stacked layers or in
+        ``first`` / ``last``): a BatchNorm in training mode needs
+        ``batch_stats="per_microbatch"`` (:mod:`parallax.pipeline.module_state`). The state
+        after the step is written back into the module, as ``nnx.value_and_grad`` does
+        (call ``fn`` eagerly or under ``nnx.jit``).
 
     Returns:
       ``fn(model_or_params, batch) -> (loss, grads)``, ``grads`` shaped like the parameters
@@ -118,8 +149,19 @@ def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,
         raise TypeError(f"{API}: pass microbatches= (micro-batches per step) with a named "
                         "schedule")
     microbatches = check_count("microbatches", microbatches, API)
+    options = StateOptions(batch_stats, rng)
 
     def fn(target, batch):
+        parts = Target.of(target)
+        if module_state.carries_state(parts):
+            module_state.check(parts, options, API)
+            loss, grads, after = pipeline_grads(
+                stages, parts.params, module_state.rebuild_for(parts, options), batch,
+                schedule=schedule, microbatches=microbatches, virtual_stages=chunks,
+                split_backward=split_backward, axis=axis, remat=remat, balance=balance,
+                state=parts.state, run=module_state.run_for(options, WHOLE))
+            parts.write_back(target, after, None)
+            return loss, grads
         params, rebuild = split_target(target)
         return pipeline_grads(stages, params, rebuild, batch, schedule=schedule,
                               microbatches=microbatches, virtual_stages=chunks,

@@ -20,7 +20,10 @@ measured):
 * ``uses``: the gradient at each use of a parameter, computed by ``B`` and read by ``W``;
 * ``versions`` (``weights="stashed"`` only): the chunk's weights as its ``F`` used them, read
   by its ``B`` and ``W`` while later updates change the latest ones (PipeDream's weight
-  stashing; the same spans as the stash without rematerialisation).
+  stashing; the same spans as the stash without rematerialisation);
+* ``snapshots`` (module state threaded through the micro-batches only): the state a
+  micro-batch's ``F`` started from, read by its ``B`` (a rematerialised forward, and
+  ``first``'s backward, recompute from it; :mod:`parallax.pipeline.runtime.stage_state`).
 
 Each kind of action is one branch of a ``lax.switch``; three flags per cell say what else
 the action does: whether it runs on virtual stage 0 (``first`` runs there), on the last
@@ -39,6 +42,7 @@ from parallax.pipeline.schedules.table import Schedule
 
 RINGS = ("stash", "inputs", "uses")  # and the inbox, planned by the schedule's arrays
 VERSIONS = "versions"  # weights="stashed": the weight version each micro-batch's F used
+SNAPSHOTS = "snapshots"  # threaded module state: the state each micro-batch's F started from
 
 
 class RuntimePlan(NamedTuple):
@@ -118,7 +122,7 @@ def remat_flags(remat: str, microbatches: int) -> list[bool]:
 
 
 def runtime_plan(schedule: Schedule, remat: str = "never",
-                 versions: bool = False) -> RuntimePlan:
+                 versions: bool = False, snapshots: bool = False) -> RuntimePlan:
     """The runtime's plan for ``schedule`` with the torchgpipe option ``remat``.
 
     Args:
@@ -126,6 +130,8 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
       remat: ``"always"``, ``"except_last"``, ``"never"`` or a checkpoint policy name (the
         latter plans like ``"never"``).
       versions: plan the ``versions`` ring too (``weights="stashed"``).
+      snapshots: plan the ``snapshots`` ring too (module state threaded through the
+        micro-batches).
 
     Returns:
       A :class:`RuntimePlan`.
@@ -143,7 +149,7 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
     slots = {name: np.full((T, S), -1, np.int32) for name in RINGS}
     written = {name: np.zeros((T, S), bool) for name in RINGS}
     capacity = {}
-    rings = RINGS + ((VERSIONS,) if versions else ())
+    rings = RINGS + ((VERSIONS,) if versions else ()) + ((SNAPSHOTS,) if snapshots else ())
     slots = {name: np.full((T, S), -1, np.int32) for name in rings}
     written = {name: np.zeros((T, S), bool) for name in rings}
     for name in rings:
@@ -159,6 +165,7 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
                         "inputs": (f, b) if r else None,
                         "uses": (b, w),
                         VERSIONS: (f, b, w),
+                        SNAPSHOTS: (f, b),
                     }[name]
                     if uses is not None:
                         spans.append((uses[0], uses[-1], uses))

@@ -25,6 +25,12 @@ Operations other than ``jit`` calls (custom derivatives, loops) are kept whole: 
 split at their boundary, which is correct but leaves any use inside them to ``W``'s
 recomputation.
 
+A layer with non-parameter state (``nnx.BatchNorm``'s running statistics, ``nnx.Dropout``'s
+RNG stream) is traced as ``layer(params, x, state) -> (y, new_state)``: the state is on
+the activation side (it is not differentiated; a value computed from it, e.g. a dropout
+mask, that meets a weight is an operand ``W`` stores), and the new state is an output of
+``F`` only, never of ``B`` or ``W``.
+
 References:
   Qi et al. 2024, Zero Bubble Pipeline Parallelism (B stores the output gradient of each
   linear layer; W computes its weight gradient from it).
@@ -62,7 +68,8 @@ class Split:
     Attributes:
       eqns: the flattened equations; ``uses`` index the ``"use"`` ones.
       params: variable ids of the parameters; ``inputs``: of ``x``'s leaves; ``outputs``:
-        the atoms of the layer's output leaves.
+        the atoms of the layer's output leaves; ``state_inputs``, ``state_outputs``: of the
+        non-parameter state's leaves, before and after the layer (empty without).
       use_inputs: the activation-side variable ids that ``W`` needs (each use's operands).
       eps_like: shape and dtype of each perturbation (each use's inexact outputs).
     """
@@ -77,11 +84,15 @@ class Split:
     avals: dict  # variable id -> ShapeDtypeStruct, for the operands W does not store
     perturbed: frozenset  # equation positions whose outputs get an eps
     gradient_of: tuple  # for each output of ``uses``, the eps whose gradient it receives
+    state_inputs: tuple = ()
+    state_outputs: tuple = ()
 
-    def forward(self, params: list, x, eps: list):
-        """The layer's output, perturbed at every use; aux: the operands ``W`` needs."""
+    def forward(self, params: list, x, eps: list, state: list | None = None):
+        """The layer's output, perturbed at every use; aux: the operands ``W`` needs, and
+        with ``state`` (the layer's non-parameter state leaves) ``(operands, new_state)``."""
         env = dict(zip(self.params, params))
         env.update(zip(self.inputs, jax.tree.leaves(x)))
+        env.update(zip(self.state_inputs, state or ()))
         perturb = iter(eps)
         for i, eqn in enumerate(self.eqns):
             outs = _bind(eqn, [_read(env, a) for a in eqn.inputs])
@@ -89,7 +100,10 @@ class Split:
                 outs = [o + next(perturb) if _inexact(o) else o for o in outs]
             env.update(zip(eqn.outputs, outs))
         y = jax.tree.unflatten(self.x_def, [_read(env, a) for a in self.outputs])
-        return y, [env[v] for v in self.use_inputs]
+        operands = [env[v] for v in self.use_inputs]
+        if state is None:
+            return y, operands
+        return y, (operands, [_read(env, a) for a in self.state_outputs])
 
     def uses(self, params: list, operands: list, vary: Callable = lambda x: x) -> list:
         """Every use's (inexact) outputs from the parameters and the stored operands.
@@ -126,13 +140,16 @@ def _bind(eqn: _Eqn, args: list) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def split(layer: Callable, params_like: list, x_like, api: str) -> Split:
+def split(layer: Callable, params_like: list, x_like, api: str,
+          state_like: list | None = None) -> Split:
     """Traces ``layer(params, x)`` and classifies its operations (see the module docstring).
 
     Args:
-      layer: ``layer(params, x) -> x``, ``params`` a flat list of arrays.
+      layer: ``layer(params, x) -> x``, ``params`` a flat list of arrays; with
+        ``state_like``, ``layer(params, x, state) -> (x, new_state)``.
       params_like, x_like: values (or abstract values) of the right shapes and types.
       api: the public name, for errors.
+      state_like: the layer's non-parameter state leaves (values of the right types).
 
     Returns:
       A :class:`Split`.
@@ -144,18 +161,26 @@ def split(layer: Callable, params_like: list, x_like, api: str) -> Split:
       >>> [e.shape for e in s.eps_like]      # the outputs of x @ w and of * scale
       [(2, 3), (2, 3)]
     """
-    closed = jax.make_jaxpr(layer)(params_like, x_like)
+    stateful = state_like is not None
+    if not stateful:
+        plain = layer
+        layer = lambda p, x, s: (plain(p, x), [])  # noqa: E731
+    closed = jax.make_jaxpr(layer)(params_like, x_like, list(state_like or ()))
     counter = iter(range(1 << 62))
     env: dict = {}
     top = closed.jaxpr
     params = [next(counter) for _ in params_like]
     x_leaves, x_def = jax.tree.flatten(x_like)
     inputs = [next(counter) for _ in x_leaves]
-    env.update(zip(top.invars, params + inputs))
+    state_inputs = [next(counter) for _ in state_like or ()]
+    env.update(zip(top.invars, params + inputs + state_inputs))
     eqns: list[_Eqn] = []
-    side = {v: "weight" for v in params} | {v: "activation" for v in inputs}
+    # the state is not differentiated: what it computes is on the activation side
+    side = ({v: "weight" for v in params} | {v: "activation" for v in inputs}
+            | {v: "activation" for v in state_inputs})
     _flatten(top, closed.consts, env, eqns, side, counter)
-    outputs = tuple(_atom(env, v) for v in top.outvars)
+    everything = tuple(_atom(env, v) for v in top.outvars)
+    outputs, state_outputs = everything[:len(x_leaves)], everything[len(x_leaves):]
     weight_outputs = [a for a in outputs if isinstance(a, tuple) or side[a] != "activation"]
     if weight_outputs:
         raise ValueError(
@@ -167,7 +192,7 @@ def split(layer: Callable, params_like: list, x_like, api: str) -> Split:
         for a in eqn.inputs:
             if not isinstance(a, tuple):
                 consumers[a] = consumers.get(a, 0) + 1
-    for a in outputs:
+    for a in everything:
         if not isinstance(a, tuple):
             consumers[a] = consumers.get(a, 0) + 1
     use_inputs, eps_like, perturbed, gradient_of = [], [], set(), []
@@ -192,10 +217,12 @@ def split(layer: Callable, params_like: list, x_like, api: str) -> Split:
                 eps_like.append(aval)
     shapes = {v: a for eqn in eqns for v, a in zip(eqn.outputs, eqn.avals)}
     shapes |= {v: jax.typeof(x) for v, x in zip(inputs, x_leaves)}
+    shapes |= {v: jax.typeof(x) for v, x in zip(state_inputs, state_like or ())}
     return Split(tuple(eqns), tuple(params), tuple(inputs), outputs, tuple(use_inputs),
                  tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in eps_like), x_def,
                  {v: jax.ShapeDtypeStruct(a.shape, a.dtype) for v, a in shapes.items()},
-                 frozenset(perturbed), tuple(gradient_of))
+                 frozenset(perturbed), tuple(gradient_of), tuple(state_inputs),
+                 tuple(state_outputs))
 
 
 def _atom(env, v):

@@ -21,6 +21,9 @@ backward) inside the ``F`` of the last virtual stage; ``first``'s backward insid
 virtual stage 0. Gradients of the stacked layers stay sharded over the stage axis; the
 other parameters' gradients are summed over it.
 
+A module's non-parameter state (BatchNorm statistics, RNG streams) is carried per stage
+and written by ``F`` only (:mod:`parallax.pipeline.runtime.stage_state`).
+
 With ``v`` chunks per stage, chunk ``c`` of stage ``s`` is the virtual stage the schedule's
 placement says; the stack is stored contiguously over the stage axis (``("layers",
 "stage")``), so each step first moves every block of layers to the stage that runs it, and
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from parallax.pipeline.runtime import branches, layer_moves, stashed
+from parallax.pipeline.runtime import branches, layer_moves, stage_state, stashed
 from parallax.pipeline.runtime.chunk import Chunk, template
 from parallax.pipeline.runtime.plan import RuntimePlan, runtime_plan
 from parallax.pipeline.schedules.table import Schedule
@@ -59,7 +62,8 @@ def caster(axes: frozenset):
 
 def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, policy,
             api: str, trace: bool = False, layout=None, plan: RuntimePlan | None = None,
-            table: dict | None = None, versions: stashed.Versions | None = None):
+            table: dict | None = None, versions: stashed.Versions | None = None,
+            run: stage_state.StateRun | None = None):
     """Runs ``sched`` on ``prog``: the mean loss over micro-batches and its gradients.
 
     Must be called where the mesh (``jax.sharding.get_abstract_mesh()``) has ``axis`` of
@@ -76,15 +80,23 @@ def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, pol
         any table of that shape.
       versions: ``weights="stashed"``: the optimizer and its state
         (:mod:`parallax.pipeline.runtime.stashed`); the step then updates the weights.
+      run: how the module's non-parameter state (``prog.stacked_state``,
+        ``prog.others_state``) flows (:class:`stage_state.StateRun`); None: no state.
 
     Returns:
       ``(loss, d_stacked, d_others)``, or with ``versions`` ``(loss, new_stacked,
-      new_others, new_stacked_state, new_others_state)``; plus the executed action codes
+      new_others, new_stacked_state, new_others_state)``; with ``run``, then the module
+      state after the step, ``(stacked_state, others_state)``; plus the executed action codes
       ``[ticks, stages]`` when ``trace`` (what each stage's switch ran at each tick: 0 idle,
       1 F, 2 B, 3 W).
     """
     M = sched.microbatches
-    plan = plan or runtime_plan(sched, remat, versions=versions is not None)
+    module = (stage_state.encode(prog.stacked_state), stage_state.encode(prog.others_state))
+    run = run if run is not None and any(module) else None
+    if run is not None:
+        stage_state.check_order(sched, api)
+    plan = plan or runtime_plan(sched, remat, versions=versions is not None,
+                                snapshots=run is not None and run.threaded)
     table = plan.table() if table is None else table
     layout = layout or layer_moves.Layout.even(prog.stacked[0].shape[0], sched.placement)
     micro = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
@@ -92,9 +104,22 @@ def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, pol
         (prog.stacked, prog.others, batch))))
     vary = caster(outer | {axis})
 
-    def body(stacked, others, micro, stacked_state, others_state):
+    if run is not None:
+        writes = stage_state.first_last_writes(prog, micro)
+        owner = stage_state.owners(sched.placement, *writes, api)
+
+    def body(stacked, others, micro, module, stacked_state, others_state):
         # stored [L / S, ...] -> run here [v, L_c, ...] (chunk c is the placement's)
         stacked = [vary(layer_moves.to_chunks(p, axis, layout)) for p in stacked]
+        carried = None
+        if run is not None:
+            s_raw, o_raw, index = module
+            carrier = stage_state.Carrier(
+                stage_state.StateRun(run.threaded, run.rng, index, run.shards),
+                prog.stacked_state, prog.others_state, M, leading(micro), vary)
+            carried = stage_state.Carried(
+                carrier, [vary(layer_moves.to_chunks(x, axis, layout)) for x in s_raw],
+                [vary(x) for x in o_raw], o_raw, *writes, owner)
         given, others = others, [vary(o) for o in others]  # given: replicated, as passed
         micro = jax.tree.map(vary, micro)
         opt = None
@@ -104,8 +129,11 @@ def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, pol
         loss, d_stacked, d_others, *rest = _ticks(
             prog, plan, table, sched, stacked, others, micro, axis=axis, vary=vary,
             policy=policy, api=api, trace=trace, mask=layout.mask, versions=versions,
-            opt=opt)
+            opt=opt, carried=carried)
         d_stacked = [layer_moves.from_chunks(g, axis, layout) for g in d_stacked]
+        if run is not None:
+            (s_new, o_new), *rest = rest
+            rest = [([layer_moves.from_chunks(x, axis, layout) for x in s_new], o_new), *rest]
         if versions is None:
             return (loss, d_stacked, d_others, *rest)
         opt, *codes = rest
@@ -124,40 +152,65 @@ def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, pol
         state_specs = ([P(axis) if m else P() for m in versions.stacked.mirrors],
                        [P()] * len(versions.others_state))
         state_args = (versions.stacked_state, versions.others_state)
+    module_specs = ([P(axis)] * len(module[0]), [P()] * len(module[1]))
     out_specs = (P(), stacked_spec, others_spec)
+    out_specs += (module_specs,) if run is not None else ()
     if versions is not None:
         out_specs += state_specs
     out_specs += ((P(None, axis),) if trace else ())
-    return jax.shard_map(
+    module_in = (*module, jnp.asarray(run.index, jnp.uint32)) if run is not None else ()
+    out = jax.shard_map(
         body,
-        in_specs=(stacked_spec, others_spec, jax.tree.map(lambda _: P(), micro), *state_specs),
+        in_specs=(stacked_spec, others_spec, jax.tree.map(lambda _: P(), micro),
+                  (*module_specs, P()) if run is not None else (), *state_specs),
         out_specs=out_specs,
         axis_names=frozenset({axis}),
-    )(prog.stacked, prog.others, micro, *state_args)
+    )(prog.stacked, prog.others, micro, module_in, *state_args)
+    if run is None:
+        return out
+    loss, d_stacked, d_others, (s_new, o_new), *rest = out
+    return (loss, d_stacked, d_others, (stage_state.decode_like(s_new, prog.stacked_state),
+                                        stage_state.decode_like(o_new, prog.others_state)),
+            *rest)
+
+
+def leading(micro) -> int:
+    """Examples per micro-batch (``micro`` is ``[M, rows, ...]`` per leaf)."""
+    leaves = jax.tree.leaves(micro)
+    return int(leaves[0].shape[1]) if leaves and leaves[0].ndim > 1 else 1
 
 
 def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axis, vary,
-           policy, api, trace, mask=None, versions=None, opt=None):
+           policy, api, trace, mask=None, versions=None, opt=None, carried=None):
     S, M = sched.stages, sched.microbatches
     s = lax.axis_index(axis)
     pick = lambda tree, i: jax.tree.map(  # noqa: E731
         lambda b: lax.dynamic_index_in_dim(b, i, keepdims=False), tree)
-    x_like = prog.first(others, pick(micro, 0))  # shapes only; XLA drops it
-    tmpl = template(prog.layer, [pick(p, 0)[0] for p in stacked], x_like, vary, policy, api)
+    carrier, s_live, o_live = carried[:3] if carried else (None, [], [])
+    o_in = carrier.others_in(o_live, 0) if carrier else []
+    x_like = prog.first(others, o_in, pick(micro, 0))[0]  # shapes only; XLA drops it
+    one = ([x[0] for x in carrier.layer_in([x[0] for x in s_live], 0)] if carrier else [])
+    tmpl = template(prog.layer, [pick(p, 0)[0] for p in stacked], x_like, vary, policy, api,
+                    one)
     chunk = Chunk(prog.layer, tmpl, vary, policy)
     # [v, slots]: which of this stage's slots hold a layer (uneven layouts pad with masks)
     slot_mask = None if mask is None else jnp.asarray(mask)[s]
     keep = versions is not None  # weights="stashed"
-    slots = branches.slot_shapes(x_like, tmpl, stacked[0].shape[1], stacked, keep)
+    threaded = carrier is not None and carrier.threaded
+    slots = branches.slot_shapes(x_like, tmpl, stacked[0].shape[1], stacked, keep, s_live,
+                                 o_live, threaded)
     state = branches.initial_state(plan.capacity, slots, stacked, others, vary,
                                    M if keep else None)
     if keep:
         state["live"], state["opt"] = list(stacked), list(opt)
-    fns = branches.branches(plan, prog, chunk, stacked, others, M, slots, vary, keep)
+    if carrier is not None:
+        state |= stage_state.initial(s_live, o_live, threaded, vary)
+    fns = branches.branches(plan, prog, chunk, stacked, others, M, slots, vary, keep, carrier)
     up = [(i, (i + 1) % S) for i in range(S)]
     down = [(i, (i - 1) % S) for i in range(S)]
 
-    written = ("stash", "inputs", "uses") + (("versions",) if keep else ())
+    written = (("stash", "inputs", "uses") + (("versions",) if keep else ())
+               + (("snapshots",) if threaded else ()))
 
     def tick(carry, row):
         state, from_below, from_above, kept, pending = carry
@@ -175,7 +228,10 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
                           for p in latest],
                "batch": branches.read(micro, cell["microbatch"]),
                "mask": (None if slot_mask is None else
-                        lax.dynamic_index_in_dim(slot_mask, cell["chunk"], keepdims=False))}
+                        lax.dynamic_index_in_dim(slot_mask, cell["chunk"], keepdims=False)),
+               "state": [lax.dynamic_index_in_dim(x, cell["chunk"], keepdims=False)
+                         for x in state.get("s_live", [])],
+               "others_state": state.get("o_live", [])}
         rings = {name: state[name] for name in branches.RINGS + ("versions",)}
         with jax.named_scope("pp_switch"):
             out = lax.switch(cell["kind"], fns, cell, got, rings)
@@ -191,6 +247,8 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
                                   for acc, d in zip(state["d_stacked"], out.d_chunk)]
             state["d_others"] = [acc + d for acc, d in zip(state["d_others"], out.d_others)]
         state["loss"] = state["loss"] + out.loss
+        if carrier is not None:
+            state = stage_state.update(state, out, cell, carried)
         # 3. send, the same collectives on every stage and every tick
         payload = out.payload
         if S > 2:
@@ -213,6 +271,8 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
     else:
         d_stacked = [g.astype(p.dtype) for g, p in zip(state["d_stacked"], stacked)]
         out = (loss, d_stacked, d_others)
+    if carrier is not None:
+        out += (stage_state.finish(state, carried, axis),)
     return out + ((codes[:, None],) if trace else ())
 
 

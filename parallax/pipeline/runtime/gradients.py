@@ -44,15 +44,9 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule
     switch ran at each tick, ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what
     executed, to compare with ``Schedule.as_arrays().kind``.
     """
-    mode, policy = check_remat(remat, api)
-    virtual_stages = chunks_for(schedule, virtual_stages, api)
-    size = ticks.stage_count(axis, None, api)
-    sched = resolve_schedule(schedule, size, microbatches, virtual_stages, split_backward,
-                             axis, api)
-    check_microbatches(batch, sched.microbatches, api)
-    prog = program(stages, params, rebuild, api, state=state)
-    layout = layout_for(prog.stacked[0].shape[0], sched, check_balance(balance, api), api,
-                        axis)
+    prog, sched, layout, mode, policy = _prepare(
+        stages, params, rebuild, batch, schedule, microbatches, virtual_stages, split_backward,
+        axis, remat, balance, api, state)
     _check_state_layers(prog, api)
     with context.manual((axis,)):
         loss, d_stacked, d_others, *rest = ticks.execute(
@@ -65,6 +59,22 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule
     else:
         s_new, o_new = [], []
     return (loss, prog.grads(d_stacked, d_others), prog.state(s_new, o_new), *rest)
+
+
+def _prepare(stages, params, rebuild, batch, schedule, microbatches, virtual_stages,
+             split_backward, axis, remat, balance, api, state):
+    """Everything checked at the boundary, then ``(program, schedule, layout, remat mode,
+    remat policy)`` for the runtime."""
+    mode, policy = check_remat(remat, api)
+    virtual_stages = chunks_for(schedule, virtual_stages, api)
+    size = ticks.stage_count(axis, None, api)
+    sched = resolve_schedule(schedule, size, microbatches, virtual_stages, split_backward,
+                             axis, api)
+    check_microbatches(batch, sched.microbatches, api)
+    prog = program(stages, params, rebuild, api, state=state)
+    layout = layout_for(prog.stacked[0].shape[0], sched, check_balance(balance, api), api,
+                        axis)
+    return prog, sched, layout, mode, policy
 
 
 def _check_state_layers(prog, api: str) -> None:
@@ -183,15 +193,9 @@ def pipeline_update(stages: Stages, params, rebuild: Callable, batch, tx, opt_st
     the parameters outside the stack take the micro-batches' updates at the end. The loss
     is the mean over micro-batches, each at the weights its forward saw.
     """
-    mode, policy = check_remat(remat, api)
-    virtual_stages = chunks_for(schedule, virtual_stages, api)
-    size = ticks.stage_count(axis, None, api)
-    sched = resolve_schedule(schedule, size, microbatches, virtual_stages, split_backward,
-                             axis, api)
-    check_microbatches(batch, sched.microbatches, api)
-    prog = program(stages, params, rebuild, api)
-    layout = layout_for(prog.stacked[0].shape[0], sched, check_balance(balance, api), api,
-                        axis)
+    prog, sched, layout, mode, policy = _prepare(
+        stages, params, rebuild, batch, schedule, microbatches, virtual_stages, split_backward,
+        axis, remat, balance, api, None)
     stacked_opt, stacked_state = part_optimizer(tx, prog.grads, "stacked", prog.stacked,
                                                 prog.others, opt_state, api)
     others_opt, others_state = (part_optimizer(tx, prog.grads, "others", prog.stacked,

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallax.comm import _validate
+from parallax.comm import checks
 from parallax.comm.compress import Wire, as_compression
 from parallax.comm.wrappers import all_reduce
 
@@ -170,8 +170,8 @@ def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET
       deep learning in TensorFlow"); Li et al. 2020 (PyTorch DDP gradient buckets).
     """
     api = "bucketed_all_reduce"
-    _validate.check_op(api, op)
-    _validate.check_choice(api, "packing", packing, PACKINGS)
+    checks.check_op(api, op)
+    checks.check_choice(api, "packing", packing, PACKINGS)
     if packing == "operands" and (algorithm != "xla" or op == "prod"):
         raise ValueError(
             f"{api}: packing='operands' reduces with XLA's all-reduce (algorithm='xla', op "

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallax.comm import _validate
+from parallax.comm import checks
 from parallax.comm._chunks import finish, join_flat, split_flat
 from parallax.comm.compress import Wire, as_compression
 from parallax.comm.ring import all_gather_chunks, reduce_scatter_chunks, ring_all_reduce
@@ -77,11 +77,11 @@ def hierarchical_all_reduce(
       (intra-node then inter-node rings/trees); Thakur et al. 2005 (the cost terms).
     """
     api = "hierarchical_all_reduce"
-    inner, n_in = _validate.check_axis(api, inner_axis)
-    outer, n_out = _validate.check_axis(api, outer_axis)
-    _validate.check_choice(api, "algorithm", algorithm, ALGORITHMS)
+    inner, n_in = checks.check_axis(api, inner_axis)
+    outer, n_out = checks.check_axis(api, outer_axis)
+    checks.check_choice(api, "algorithm", algorithm, ALGORITHMS)
     outer_algorithm = algorithm if outer_algorithm is None else outer_algorithm
-    _validate.check_choice(api, "outer_algorithm", outer_algorithm, OUTER_ALGORITHMS)
+    checks.check_choice(api, "outer_algorithm", outer_algorithm, OUTER_ALGORITHMS)
     inner_names = inner if isinstance(inner, tuple) else (inner,)
     outer_names = outer if isinstance(outer, tuple) else (outer,)
     if set(inner_names) & set(outer_names):
@@ -89,7 +89,7 @@ def hierarchical_all_reduce(
             f"{api}: inner_axis={inner_axis!r} and outer_axis={outer_axis!r} overlap; pass "
             "two different mesh axes (fast one inner, slow one outer)."
         )
-    _validate.check_op(api, op, ("sum", "mean") if algorithm == "xla" else _validate.OPS)
+    checks.check_op(api, op, ("sum", "mean") if algorithm == "xla" else checks.OPS)
     if outer_algorithm == "xla" and op in ("prod",):
         raise ValueError(f"{api}: op='prod' needs outer_algorithm='ring' or 'tree'.")
     comp = as_compression(api, compression)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from parallax.comm import _validate
+from parallax.comm import checks
 from parallax.comm._chunks import ring_perm
 from parallax.comm.compress import ppermute_wire
 
@@ -39,8 +39,8 @@ def send(x, axis, perm):
       MPI-3.1, ``MPI_Sendrecv``; XLA ``CollectivePermute``.
     """
     api = "send"
-    axis, n = _validate.check_axis(api, axis)
-    pairs = _validate.check_perm(api, perm, axis, n)
+    axis, n = checks.check_axis(api, axis)
+    pairs = checks.check_perm(api, perm, axis, n)
     return jax.tree.map(lambda v: ppermute_wire(jnp.asarray(v), axis, pairs), x)
 
 
@@ -68,7 +68,7 @@ def shift(x, axis, offset: int = 1):
     api = "shift"
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"{api}: offset={offset!r} must be a Python int.")
-    axis, n = _validate.check_axis(api, axis)
+    axis, n = checks.check_axis(api, axis)
     if offset % n == 0:
         return jax.tree.map(jnp.asarray, x)
     return jax.tree.map(lambda v: ppermute_wire(jnp.asarray(v), axis, ring_perm(n, offset)), x)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallax.comm import _validate
+from parallax.comm import checks
 from parallax.comm._chunks import join_flat, split_flat, to_varying
 
 
@@ -130,8 +130,8 @@ def quantized_all_reduce(x, axis, *, op: str = "sum", block_size: int = 256):
       model training" (quantised gradient communication, qgZ); Dettmers et al. 2022.
     """
     api = "quantized_all_reduce"
-    axis, n = _validate.check_axis(api, axis)
-    _validate.check_op(api, op, ("sum", "mean"))
+    axis, n = checks.check_axis(api, axis)
+    checks.check_op(api, op, ("sum", "mean"))
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"{api}: block_size={block_size!r} must be a positive int.")
 

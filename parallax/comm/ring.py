@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallax.comm import _validate
+from parallax.comm import checks
 from parallax.comm._chunks import (
     COMBINE, finish, put, ring_perm, split_dim, split_flat, join_flat, take, to_varying,
 )
@@ -102,13 +102,13 @@ def ring_reduce_scatter(x, axis, *, dim: int = 0, op: str = "sum", compression=N
       workstations"; Baidu ``baidu-allreduce`` (Gibiansky 2017).
     """
     api = "ring_reduce_scatter"
-    axis, n = _validate.check_axis(api, axis)
-    _validate.check_op(api, op)
+    axis, n = checks.check_axis(api, axis)
+    checks.check_op(api, op)
     comp = as_compression(api, compression)
 
     def leaf(v):
         v = jnp.asarray(v)
-        d = _validate.check_dim(api, v, dim)
+        d = checks.check_dim(api, v, dim)
         out = reduce_scatter_chunks(split_dim(v, n, d), axis, n, op, Wire(comp, v.dtype))
         return jnp.moveaxis(finish(out, op, n), 0, d).astype(_out_dtype(v.dtype, op))
 
@@ -143,12 +143,12 @@ def ring_all_gather(x, axis, *, dim: int = 0, size: int | None = None, compressi
       communication operations in MPICH" (ring all-gather cost ``(n-1)a + (n-1)/n S b``).
     """
     api = "ring_all_gather"
-    axis, n = _validate.check_axis(api, axis)
+    axis, n = checks.check_axis(api, axis)
     comp = as_compression(api, compression)
 
     def leaf(v):
         v = jnp.asarray(v)
-        d = _validate.check_dim(api, v, dim)
+        d = checks.check_dim(api, v, dim)
         moved = jnp.moveaxis(v, d, 0)
         out = all_gather_chunks(moved, axis, n, Wire(comp, v.dtype), v.dtype)
         out = out.reshape((n * moved.shape[0],) + moved.shape[1:])
@@ -191,8 +191,8 @@ def ring_all_reduce(x, axis, *, op: str = "sum", compression=None):
       Patarasuk & Yuan 2009 (bandwidth optimality); Thakur et al. 2005 (costs).
     """
     api = "ring_all_reduce"
-    axis, n = _validate.check_axis(api, axis)
-    _validate.check_op(api, op)
+    axis, n = checks.check_axis(api, axis)
+    checks.check_op(api, op)
     comp = as_compression(api, compression)
 
     def leaf(v):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallax.comm import _validate
+from parallax.comm import checks
 from parallax.comm._chunks import COMBINE, finish
 from parallax.comm.compress import Wire, as_compression, ppermute_wire
 
@@ -98,8 +98,8 @@ def tree_all_reduce(x, axis, *, op: str = "sum", compression=None):
       small-message regime.
     """
     api = "tree_all_reduce"
-    axis, n = _validate.check_axis(api, axis)
-    _validate.check_op(api, op)
+    axis, n = checks.check_axis(api, axis)
+    checks.check_op(api, op)
     comp = as_compression(api, compression)
     rounds = tree_rounds(n)
     combine = COMBINE[op]
@@ -163,8 +163,8 @@ def tree_broadcast(x, axis, root: int = 0):
       Thakur, Rabenseifner & Gropp 2005 (binomial-tree broadcast, MPICH ``MPI_Bcast``).
     """
     api = "tree_broadcast"
-    axis, n = _validate.check_axis(api, axis)
-    root = _validate.check_root(api, root, axis, n)
+    axis, n = checks.check_axis(api, axis)
+    root = checks.check_root(api, root, axis, n)
     rounds = broadcast_rounds(n, root)
 
     def leaf(v):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallax.comm import _validate, cost
+from parallax.comm import checks, cost
 from parallax.comm.compress import Compression, Wire, as_compression
 from parallax.comm.hierarchical import hierarchical_all_reduce
 from parallax.comm.ring import ring_all_reduce
@@ -72,8 +72,8 @@ def all_reduce(x, axis, op: str = "sum", *, algorithm: str = "xla", compression=
       MPI-3.1 standard, ``MPI_Allreduce``; Thakur, Rabenseifner & Gropp 2005.
     """
     api = "all_reduce"
-    _validate.check_choice(api, "algorithm", algorithm, ALGORITHMS)
-    _validate.check_op(api, op)
+    checks.check_choice(api, "algorithm", algorithm, ALGORITHMS)
+    checks.check_op(api, op)
     comp = as_compression(api, compression)
     if algorithm == "hierarchical":
         if not (isinstance(axis, (tuple, list)) and len(axis) == 2):
@@ -83,7 +83,7 @@ def all_reduce(x, axis, op: str = "sum", *, algorithm: str = "xla", compression=
             )
         return hierarchical_all_reduce(x, axis[1], axis[0], op=op, compression=comp,
                                        algorithm="xla" if op in ("sum", "mean") else "ring")
-    axis, n = _validate.check_axis(api, axis)
+    axis, n = checks.check_axis(api, axis)
     if algorithm == "ring":
         return ring_all_reduce(x, axis, op=op, compression=comp)
     if algorithm == "tree":
@@ -129,11 +129,11 @@ def all_gather(x, axis, *, dim: int = 0, tiled: bool = True, invariant: bool = F
       MPI-3.1, ``MPI_Allgather``.
     """
     api = "all_gather"
-    axis, _ = _validate.check_axis(api, axis)
+    axis, _ = checks.check_axis(api, axis)
 
     def leaf(v):
         v = jnp.asarray(v)
-        d = _validate.check_dim(api, v, dim) if tiled else dim % (v.ndim + 1)
+        d = checks.check_dim(api, v, dim) if tiled else dim % (v.ndim + 1)
         return lax.all_gather(v, axis, axis=d, tiled=tiled,
                               to="invarying" if invariant else "varying")
 
@@ -165,13 +165,13 @@ def reduce_scatter(x, axis, *, dim: int = 0, op: str = "sum"):
       MPI-3.1, ``MPI_Reduce_scatter_block``.
     """
     api = "reduce_scatter"
-    axis, n = _validate.check_axis(api, axis)
-    _validate.check_op(api, op, ("sum", "mean"))
+    axis, n = checks.check_axis(api, axis)
+    checks.check_op(api, op, ("sum", "mean"))
 
     def leaf(v):
         v = jnp.asarray(v)
-        d = _validate.check_dim(api, v, dim)
-        _validate.check_divisible(api, v, d, axis, n,
+        d = checks.check_dim(api, v, dim)
+        checks.check_divisible(api, v, d, axis, n,
                                   "pad the array, or use ring_reduce_scatter (pads for you)")
         out = lax.psum_scatter(v, axis, scatter_dimension=d, tiled=True)
         return out / n if op == "mean" else out
@@ -204,9 +204,9 @@ def broadcast(x, axis, root: int = 0, *, algorithm: str = "xla"):
       MPI-3.1, ``MPI_Bcast``.
     """
     api = "broadcast"
-    _validate.check_choice(api, "algorithm", algorithm, ("xla", "tree"))
-    axis, n = _validate.check_axis(api, axis)
-    root = _validate.check_root(api, root, axis, n)
+    checks.check_choice(api, "algorithm", algorithm, ("xla", "tree"))
+    axis, n = checks.check_axis(api, axis)
+    root = checks.check_root(api, root, axis, n)
     if algorithm == "tree":
         return tree_broadcast(x, axis, root)
 
@@ -244,9 +244,9 @@ def reduce(x, axis, root: int = 0, op: str = "sum"):
       MPI-3.1, ``MPI_Reduce``.
     """
     api = "reduce"
-    axis, n = _validate.check_axis(api, axis)
-    root = _validate.check_root(api, root, axis, n)
-    _validate.check_op(api, op)
+    axis, n = checks.check_axis(api, axis)
+    root = checks.check_root(api, root, axis, n)
+    checks.check_op(api, op)
 
     def leaf(v):
         total = _xla_reduce(jnp.asarray(v), axis, op, Compression.none)
@@ -279,13 +279,13 @@ def all_to_all(x, axis, split_dim: int, concat_dim: int):
       MPI-3.1, ``MPI_Alltoall``; used by sequence parallelism (DeepSpeed-Ulysses) and MoE.
     """
     api = "all_to_all"
-    axis, n = _validate.check_axis(api, axis)
+    axis, n = checks.check_axis(api, axis)
 
     def leaf(v):
         v = jnp.asarray(v)
-        s = _validate.check_dim(api, v, split_dim, "split_dim")
-        c = _validate.check_dim(api, v, concat_dim, "concat_dim")
-        _validate.check_divisible(api, v, s, axis, n, "pad split_dim to a multiple of the "
+        s = checks.check_dim(api, v, split_dim, "split_dim")
+        c = checks.check_dim(api, v, concat_dim, "concat_dim")
+        checks.check_divisible(api, v, s, axis, n, "pad split_dim to a multiple of the "
                                   "axis size")
         return lax.all_to_all(v, axis, s, c, tiled=True)
 

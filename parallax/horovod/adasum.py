@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallax.comm import _validate
+from parallax.comm import checks
 
 NORM_FLOOR = 1e-8  # Horovod's threshold below which a squared norm counts as zero
 
@@ -101,7 +101,7 @@ def adasum_all_reduce(x, axis):
       >>> f(jnp.eye(8)).tolist()                     # orthogonal: the sum
       [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     """
-    axis, size = _validate.check_axis("hvd.Adasum", axis)
+    axis, size = checks.check_axis("hvd.Adasum", axis)
     if not is_power_of_two(size):
         raise ValueError(f"hvd.Adasum: the axis {axis!r} has {size} devices; Adasum combines a "
                          "power of two of them (as Horovod's).")

@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from parallax import comm
-from parallax.comm import _validate
+from parallax.comm import checks
 from parallax.distributed import local_arrays
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
@@ -37,7 +37,7 @@ AXIS = "data"  # the mesh axis of @hvd.jit: every device of every process
 
 def in_program(api: str, tree, axis_name: str) -> bool:
     """True inside a program that binds ``axis_name``; False for eager process-local values."""
-    if axis_name in _validate.available_axes():
+    if axis_name in checks.available_axes():
         return True
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
         raise ValueError(

@@ -30,7 +30,7 @@ import optax
 from jax import lax
 
 from parallax import comm, context
-from parallax.comm import _validate
+from parallax.comm import checks
 from parallax.distributed import local_arrays
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.collectives import AXIS
@@ -58,7 +58,7 @@ class DistributedOptimizerState(NamedTuple):
 
 
 def _mode(grads, axis_name: str) -> str:
-    if axis_name in _validate.available_axes():
+    if axis_name in checks.available_axes():
         return "program"
     if context.current() is not None:
         return "strategy"

@@ -231,3 +231,44 @@ def test_a_producer_that_carries_no_state_refuses_a_stateful_model():
                        r"Rebuilding\(\) produces gradients by rebuilding the model from its "
                        r"parameters alone .*the model holds bn/mean"):
         step(state, data())
+
+
+class Sowing(nnx.Module):
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(4, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        hidden = jnp.tanh(self.inp(x))
+        self.sow(nnx.Intermediate, "hidden", hidden)
+        return self.out(hidden)
+
+
+def test_values_captured_with_nnx_capture_come_back_as_on_one_device():
+    """flax's newer way to read sown values, ``nnx.capture`` inside the loss, returned as
+    aux: under DataParallel over 4 shards the captured per-example hidden values come back
+    whole and equal one device's, and so do the loss and its gradients."""
+    def captured_loss(model, batch):
+        out, captured = nnx.capture(model, nnx.Intermediate)(batch["x"])
+        return jnp.mean((out - batch["y"]) ** 2), captured
+
+    batch = data()
+    (loss, captured), grads = nnx.value_and_grad(captured_loss, has_aux=True)(
+        Sowing(nnx.Rngs(0)), batch)
+    m = mesh(data=4)
+    strategy = px.DataParallel()
+    state = px.shard(px.TrainState.create(Sowing(nnx.Rngs(0)), optax.sgd(0.0)), m, strategy)
+
+    @px.train_step(m, strategy, donate=False)
+    def step(state, batch):
+        (loss, captured), grads = px.value_and_grad(captured_loss, has_aux=True)(
+            state.model, batch)
+        return state.apply_gradients(grads), (loss, captured, grads)
+
+    _, (px_loss, px_captured, px_grads) = step(state, batch)
+    assert float(px_loss) == pytest.approx(float(loss), rel=1e-5)
+    hidden = np.asarray(captured["hidden"][0])  # a sown tuple: one entry per call
+    px_hidden = np.asarray(px_captured["hidden"][0])
+    assert px_hidden.shape == hidden.shape == (16, 8)
+    np.testing.assert_allclose(px_hidden, hidden, rtol=1e-5, atol=1e-6)
+    assert px.testing.relative_difference(jax.device_get(px_grads), grads) < 1e-5

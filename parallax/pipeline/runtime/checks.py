@@ -8,14 +8,13 @@ API, the values and the fix).
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Sequence
 
 import jax
 
 from parallax.pipeline.planning.partition import Plan
 from parallax.pipeline.runtime.layer_moves import Layout, check_layers
-from parallax.pipeline.schedules.named import (SCHEDULES, check_chunks,
+from parallax.pipeline.schedules.named import (SCHEDULES, check_chunks, check_count,
                                                default_virtual_stages)
 from parallax.pipeline.schedules.named import schedule as build_schedule
 from parallax.pipeline.schedules.table import Schedule
@@ -39,19 +38,6 @@ def check_remat(remat, api: str) -> tuple[str, Callable | None]:
         f"{', '.join(map(repr, REMAT))} (torchgpipe's checkpoint options) or a "
         f"jax.checkpoint_policies name ({', '.join(POLICIES)}), or pass a policy function"
     )
-
-
-def check_count(field: str, value, api: str) -> int:
-    """A positive int, or ``TypeError`` / ``ValueError`` naming the field."""
-    if isinstance(value, bool):
-        raise TypeError(f"{api}: {field} must be an int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{api}: {field} must be an int, got {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{api}: {field} must be >= 1, got {value}")
-    return value
 
 
 def chunks_for(schedule, virtual_stages, api: str) -> int:

@@ -107,9 +107,9 @@ def schedule(
     """
     if name not in SCHEDULES:
         raise ValueError(f"schedule: unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    stages = _count("stages", stages)
-    microbatches = _count("microbatches", microbatches)
-    virtual_stages = _count("virtual_stages", default_virtual_stages(name)
+    stages = check_count("stages", stages)
+    microbatches = check_count("microbatches", microbatches)
+    virtual_stages = check_count("virtual_stages", default_virtual_stages(name)
                             if virtual_stages is None else virtual_stages)
     check_chunks(name, virtual_stages)
     zero = name in ZERO_BUBBLE
@@ -226,13 +226,14 @@ def _backward(m: int, chunk: int = 0) -> list[Action]:
     return [Action("B", m, chunk), Action("W", m, chunk)]
 
 
-def _count(field: str, value) -> int:
+def check_count(field: str, value, api: str = "schedule") -> int:
+    """A positive int, or ``TypeError`` / ``ValueError`` naming the API and the field."""
     if isinstance(value, bool):
-        raise TypeError(f"schedule: {field} must be an int, got {value!r}")
+        raise TypeError(f"{api}: {field} must be an int, got {value!r}")
     try:
         value = operator.index(value)
     except TypeError:
-        raise TypeError(f"schedule: {field} must be an int, got {value!r}") from None
+        raise TypeError(f"{api}: {field} must be an int, got {value!r}") from None
     if value < 1:
-        raise ValueError(f"schedule: {field} must be >= 1, got {value}")
+        raise ValueError(f"{api}: {field} must be >= 1, got {value}")
     return value

@@ -16,6 +16,9 @@ falls on all of them alike, and only ratios measured together mean anything):
   the default);
 - ``px BucketedSync flat``: buckets as a concatenated flat buffer (the previous default);
 - ``px BucketedSync bf16``: operands, bf16 on the wire;
+- ``px BucketedSync tree`` and ``px BucketedSync ring``: each gradient reduced by
+  ``parallax.comm``'s point-to-point algorithms (``collective-permute`` s) instead of XLA's
+  all-reduce;
 - ``JAX all-reduce alone`` and ``torch all-reduce alone``: one gradient-sized (16 MB)
   all-reduce over gloo and nothing else, to tell the collective's cost from the step's.
 
@@ -153,6 +156,10 @@ def jax_programs(batch, lr):
             "data", sync=px.BucketedSync(packing="flat"))),
         "px BucketedSync bf16": stepper(px.DataParallel(
             "data", sync=px.BucketedSync(compression="bf16"))),
+        "px BucketedSync tree": stepper(px.DataParallel(
+            "data", sync=px.BucketedSync(algorithm="tree"))),
+        "px BucketedSync ring": stepper(px.DataParallel(
+            "data", sync=px.BucketedSync(algorithm="ring"))),
         "JAX all-reduce alone": all_reduce(),
     }
 

@@ -175,8 +175,11 @@ def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=Non
     p_leaves, p_def = jax.tree.flatten(params)
     b_leaves, b_def = jax.tree.flatten(batch)
 
+    # A point-to-point sync returns equal sums typed varying, which JAX cannot check.
+    checked = not getattr(strategy.grad_sync, "varying_results", False)
+
     def body(p_local, state, b_local):
-        full = gather_params(p_local, lays, axes)
+        full = gather_params(p_local, lays, axes, cast=checked)
         position = Position(lax.axis_index(axes), shards)
         with context.manual(axes):
             (loss, res), grads = produce(jax.tree.unflatten(p_def, full),
@@ -194,6 +197,7 @@ def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=Non
         # Per-example values leave with the batch's spec: concatenated in batch order.
         out_specs=(PartitionSpec(), b_spec, [lay.manual_spec("grad") for lay in lays]),
         axis_names=frozenset(axes),
+        check_vma=checked,
     )
     (loss, aux, new, state, checks), (aux_examples, new_examples), g_leaves = mapped(
         p_leaves, parts.state, b_leaves)
@@ -218,12 +222,13 @@ def reduce_results(loss, res: LocalResult, rows: int, axes, shards: int):
     return shared, (aux_examples, new_examples)
 
 
-def gather_params(leaves, lays, axes):
+def gather_params(leaves, lays, axes, cast: bool = True):
     """Each parameter cast to varying over the batch axes (so autodiff inserts no implicit
-    ``psum``) and, under ZeRO 3, all-gathered from its shards."""
+    ``psum``; not needed, and not wanted, in an unchecked ``shard_map``, which has no types
+    to insert it by) and, under ZeRO 3, all-gathered from its shards."""
 
     def gather(x, lay):
-        x = to_varying(x, axes)
+        x = to_varying(x, axes) if cast else x
         return lay.zero.gather(x, lay.shard_dim) if lay.is_sharded("param") else x
 
     return [on_local_shards(gather, x, lay, axes) for x, lay in zip(leaves, lays)]

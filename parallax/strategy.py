@@ -22,7 +22,8 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   is how many micro-batches it splits each slice into (checked against the batch up front);
 - ``grad_sync``: an optional hook that replaces how the explicit style sums gradients over
   the batch axes, called as ``grad_sync(grads, axes)`` inside the step's ``shard_map``
-  (``px.BucketedSync``: DDP's buckets, Horovod's fusion; see ``parallax.strategies.sync``);
+  (``px.BucketedSync``: DDP's buckets, Horovod's fusion, XLA's all-reduce or point-to-point
+  algorithms; see ``parallax.strategies.sync``);
 - ``param_checks``: checks a strategy adds for every annotated parameter before it is laid
   out, called as ``check(names, shape, mesh, path=..., api=...)``; they raise with a fix
   specific to the strategy (tensor parallel: pad the vocabulary, change the head count);

@@ -143,9 +143,10 @@ def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET
         ``"hierarchical"``), per bucket.
       compression: ``None`` or a :class:`Compression`.
       packing: ``"flat"`` (the fusion buffer: each bucket's pieces are concatenated into one
-        flat array, one collective of any ``algorithm``) or ``"operands"`` (``"xla"`` only:
-        each bucket is one ``psum`` over its pieces in their own shapes, which XLA lowers to
-        one variadic all-reduce when its combiner runs, as it does by default; no copy).
+        flat array, one collective of any ``algorithm``) or ``"operands"`` (no copy: with
+        ``"xla"`` each bucket is one ``psum`` over its pieces in their own shapes, which XLA
+        lowers to one variadic all-reduce when its combiner runs, as it does by default;
+        with a point-to-point algorithm each piece is reduced on its own, in bucket order).
         On CPU the flat buffer's ``concatenate`` costs a pass over every gradient (measured
         in ``docs/distributed.md``); ``"operands"`` compiles to the same program as one
         ``psum`` per leaf.
@@ -172,14 +173,19 @@ def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET
     api = "bucketed_all_reduce"
     checks.check_op(api, op)
     checks.check_choice(api, "packing", packing, PACKINGS)
-    if packing == "operands" and (algorithm != "xla" or op == "prod"):
+    if packing == "operands" and algorithm == "xla" and op == "prod":
         raise ValueError(
-            f"{api}: packing='operands' reduces with XLA's all-reduce (algorithm='xla', op "
-            f"sum/mean/max/min); got algorithm={algorithm!r}, op={op!r}. Use packing='flat' "
-            "for point-to-point algorithms and products.")
-    if packing == "operands":
+            f"{api}: packing='operands' with algorithm='xla' reduces with XLA's all-reduce, "
+            "which has no product; use packing='flat' or a point-to-point algorithm "
+            "('ring', 'tree') for op='prod'.")
+    if packing == "operands" and algorithm == "xla":
         return over_buckets(tree, lambda pieces: _reduce_operands(pieces, axis, op, compression),
                             bucket_bytes=bucket_bytes, reverse=reverse, flat=False)
+    if packing == "operands":
+        return over_buckets(
+            tree, lambda pieces: [all_reduce(p, axis, op, algorithm=algorithm,
+                                             compression=compression) for p in pieces],
+            bucket_bytes=bucket_bytes, reverse=reverse, flat=False)
     return over_buckets(
         tree, lambda flat: all_reduce(flat, axis, op, algorithm=algorithm, compression=compression),
         bucket_bytes=bucket_bytes, reverse=reverse)

@@ -4,7 +4,10 @@ A data-parallel strategy sums each device's gradients over its batch axes. By de
 is one ``psum`` per leaf (XLA may combine them). A *sync* replaces it: a callable
 ``sync(grads, axes) -> grads`` that runs inside the step's ``shard_map`` on the local
 gradients (a list of arrays) and returns their sums over the mesh ``axes``, invariant over
-them (built from XLA collectives, e.g. ``parallax.comm`` with ``algorithm="xla"``). Under
+them (built from XLA collectives, e.g. ``parallax.comm`` with ``algorithm="xla"``); a sync
+whose sums are equal on every device but typed varying (point-to-point messages) says so
+with a true ``varying_results`` attribute, and the step's ``shard_map`` then runs
+unchecked (``check_vma=False``). Under
 ZeRO 2/3 it receives what is left after the reduce-scatter over the ZeRO axis (the
 cross-replica all-reduce of HSDP); leaves that are tensor-parallel shards arrive as their
 local shards.
@@ -27,6 +30,10 @@ import jax
 
 from parallax.comm import bucket
 
+# XLA's all-reduce, or parallax.comm's point-to-point algorithms ("hierarchical" needs two
+# named axes, which a sync over the batch axes does not have).
+SYNC_ALGORITHMS = ("xla", "tree", "ring", "auto")
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketedSync:
@@ -46,6 +53,18 @@ class BucketedSync:
         bucket, one all-reduce instruction each even with the combiner off). Measured on CPU
         (``docs/distributed.md``), the flat buffer's concatenate made a step slower than the
         plain sync; ``"operands"`` compiles to the plain sync's program.
+      algorithm: ``"xla"`` (the default: XLA's all-reduce, NCCL on GPU, ICI on TPU, gloo on
+        CPU) or a point-to-point algorithm of :mod:`parallax.comm` built from
+        ``collective-permute`` s: ``"tree"`` (recursive doubling; for two devices one
+        exchange of the whole gradient), ``"ring"`` or ``"auto"`` (ring or tree per
+        gradient by :func:`parallax.comm.cost.choose_algorithm`). With ``"operands"``
+        packing each gradient is reduced on its own as soon as the backward produces it.
+        Across CPU processes this is the fast choice: XLA's gloo all-reduce runs its ring
+        in many small synchronous segments, while a ``collective-permute`` is one
+        send and one receive (``docs/distributed.md`` has the measurements). Every device
+        adds the same numbers in the same order, so the sums are bit-identical across
+        devices; they are typed varying, and the step's ``shard_map`` runs with
+        ``check_vma=False`` (:attr:`varying_results`).
 
     A value (equal settings compare equal), so strategies holding it compose and compare.
 
@@ -58,6 +77,7 @@ class BucketedSync:
     reverse: bool = True
     compression: str | None = None
     packing: str = "operands"
+    algorithm: str = "xla"
 
     def __post_init__(self):
         size = self.bucket_bytes
@@ -73,9 +93,20 @@ class BucketedSync:
             raise ValueError(
                 f"px.BucketedSync: packing={self.packing!r} must be 'operands' (one psum over "
                 "each bucket's gradients) or 'flat' (a concatenated bucket buffer).")
+        if self.algorithm not in SYNC_ALGORITHMS:
+            raise ValueError(
+                f"px.BucketedSync: algorithm={self.algorithm!r} must be one of "
+                f"{', '.join(map(repr, SYNC_ALGORITHMS))}: 'xla' for XLA's all-reduce, or a "
+                "point-to-point algorithm of parallax.comm.")
+
+    @property
+    def varying_results(self) -> bool:
+        """Whether the sums come back typed varying over the batch axes (point-to-point
+        algorithms): equal on every device, but not provably so to JAX's type checker."""
+        return self.algorithm != "xla"
 
     def __call__(self, grads: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
         return bucket.bucketed_all_reduce(
             list(grads), axes if len(axes) > 1 else axes[0], bucket_bytes=self.bucket_bytes,
-            reverse=self.reverse, algorithm="xla", compression=self.compression,
+            reverse=self.reverse, algorithm=self.algorithm, compression=self.compression,
             packing=self.packing)

@@ -1,7 +1,7 @@
 """Real multi-process runs through ``parallax launch`` on localhost (gloo).
 
 - Two "nodes" (two launchers, one process each, 2 devices per process) form one job and
-  train DataParallel, ZeRO 3, DP x TP and a 1F1B pipeline whose stage axis spans the two
+  train DataParallel (with XLA's all-reduce and with point-to-point exchanges), ZeRO 3, DP x TP and a 1F1B pipeline whose stage axis spans the two
   processes to the one-device losses and parameters (1e-6); the same launch then runs
   parallax.horovod's checks for 2 processes x 2 devices and the Horovod-style example.
 - ``parallax demo`` under the launcher agrees with one device.
@@ -23,7 +23,7 @@ from tests.horovod.test_multiprocess import assert_horovod_agrees
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
-def test_two_nodes_on_localhost_train_four_strategies_like_one_device():
+def test_two_nodes_on_localhost_train_five_strategies_like_one_device():
     coordinator = f"127.0.0.1:{launch.free_port()}"
     common = ["--nnodes", "2", "--coordinator", coordinator, "--devices-per-process", "2"]
     command = [sys.executable, program("strategies.py"), "--horovod"]
@@ -34,8 +34,9 @@ def test_two_nodes_on_localhost_train_four_strategies_like_one_device():
         node0.stdout[-3000:] + node0.stderr[-3000:] + out1[-3000:] + err1[-3000:])
     for rank, text in ((0, node0.stdout), (1, out1)):
         results = re.findall(rf"^\[{rank}\] agree (.*)$", text, re.M)
-        assert len(results) == 4, text
-        for strategy in ("DataParallel", "ZeRO 3", "DP x TP", "1F1B over processes"):
+        assert len(results) == 5, text
+        for strategy in ("DataParallel", "DDP point-to-point", "ZeRO 3", "DP x TP",
+                         "1F1B over processes"):
             assert any(f'"strategy": "{strategy}"' in r for r in results)
     # the pipeline's stage axis spans the processes: both load the whole batch
     assert re.search(r'"1F1B over processes", "mesh": \{"stage": 2, "data": 2\}, "rows": \[0, 8\]',

@@ -1,8 +1,9 @@
-"""Launched with 2 processes x 2 devices: four strategies train to the one-device numbers.
+"""Launched with 2 processes x 2 devices: five strategies train to the one-device numbers.
 
     parallax launch -np 2 --devices-per-process 2 python strategies.py [--steps 3]
 
-DataParallel (data=4), ZeRO 3 (fsdp=4), DP x TP (data=2 across the processes x tensor=2
+DataParallel (data=4), DataParallel whose gradients are summed by point-to-point
+exchanges (``px.BucketedSync(algorithm="tree")``), ZeRO 3 (fsdp=4), DP x TP (data=2 across the processes x tensor=2
 inside each) and a 1F1B pipeline whose stage axis spans the two processes (stage=2 x
 data=2). Each process loads only its rows of every global batch
 (``px.distributed.process_slice``) and passes it to the step, which assembles the global
@@ -94,6 +95,8 @@ def main():
     cases = [
         ("DataParallel", px.make_mesh(data=4), px.DataParallel("data"), mlp_state, mse, mlp),
         ("ZeRO 3", px.make_mesh(fsdp=4), px.ZeRO(3, "fsdp"), mlp_state, mse, mlp),
+        ("DDP point-to-point", px.make_mesh(data=4),
+         px.DataParallel("data", sync=px.BucketedSync(algorithm="tree")), mlp_state, mse, mlp),
         ("DP x TP", px.make_mesh(data=2, tensor=2),
          px.compose(px.DataParallel("data"), px.TensorParallel("tensor")), mlp_state, mse, mlp),
         ("1F1B over processes", px.make_mesh(stage=2, data=2),

@@ -148,10 +148,14 @@ def check_options(options: StateOptions, ctx, axes, explicit: bool) -> None:
 
 
 def batch_axes(ctx) -> tuple[str, ...]:
-    """The mesh axes that split the batch in the active step (none outside a step)."""
+    """The mesh axes that split the batch in the active step (none outside a step).
+
+    Axes of size 1 split nothing and are left out: XLA's CPU backend keeps an all-reduce
+    over one device, which copies every gradient and holds the optimizer back until the
+    whole backward is done (measured in ``docs/distributed.md``)."""
     if ctx is None:
         return ()
-    return tuple(a for a in ctx.strategy.batch_axes if a in ctx.mesh.shape)
+    return tuple(a for a in ctx.strategy.batch_axes if ctx.mesh.shape.get(a, 1) > 1)
 
 
 def constrain_grads(grads, params, ctx, source=None):

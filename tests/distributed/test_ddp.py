@@ -156,3 +156,35 @@ def test_point_to_point_sync_sends_gradients_by_collective_permute():
     assert len(permuted) == 3 * len(jax.tree.leaves(state.params))
     assert sum(c.message_bytes for c in permuted) == 3 * grad_bytes
     assert gradient_all_reduces(compiled, mesh) == []  # only the loss's scalar is psum'd
+
+
+def test_a_batch_axis_of_size_one_runs_no_collective():
+    # XLA's CPU backend keeps an all-reduce over one device (a copy of every gradient)
+    mesh = px.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])
+    strategy = px.DataParallel("data")
+    state = px.init(stock_state, mesh, strategy)
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        loss, grads = px.value_and_grad(stock_loss)(state.model, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    batch = {"x": np.ones((4, 6, 6, 3), np.float32), "y": np.zeros(4, np.int32)}
+    assert hlo.collectives(step.lower(state, batch).compile(), mesh) == []
+    losses, trained = train(mesh, strategy)
+    plain = stock_state()  # the same steps by plain jax.jit
+
+    @jax.jit
+    def plain_step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: stock_loss(
+            nnx.merge(state.graphdef, p, state.rest), batch))(state.params)
+        return state.apply_gradients(grads), loss
+
+    rng, plain_losses = np.random.default_rng(0), []
+    for _ in range(3):
+        batch = {"x": rng.standard_normal((16, 6, 6, 3), np.float32),
+                 "y": rng.integers(0, 5, 16).astype(np.int32)}
+        plain, loss = plain_step(plain, batch)
+        plain_losses.append(float(loss))
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    assert px.testing.relative_difference(trained.params, plain.params) <= 1e-6

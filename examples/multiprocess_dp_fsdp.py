@@ -2,6 +2,7 @@
 
     parallax launch -np 2 --devices-per-process 2 python examples/multiprocess_dp_fsdp.py
     parallax launch -np 2 python examples/multiprocess_dp_fsdp.py --strategy fsdp --steps 20
+    parallax launch -np 2 python examples/multiprocess_dp_fsdp.py --strategy dp-tree
     python examples/multiprocess_dp_fsdp.py                 # alone: 8 simulated devices
 
 Every process runs this same program. ``px.distributed.initialize()`` joins the job that
@@ -14,6 +15,10 @@ set; both give each process the same rows. Each process passes its share to the 
 assembles the global batch from the processes' shares (as ``px.distributed.global_batch``
 does explicitly), and at the end every process compares its loss curve
 with the same steps run as one plain ``jax.jit`` program on the full batches.
+
+``--strategy dp-tree`` sums the gradients by point-to-point exchanges
+(``px.BucketedSync(algorithm="tree")``) instead of XLA's all-reduce: across CPU processes,
+where the all-reduce goes through gloo, it is the faster choice (``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ def grain_loader(data, global_batch: int, steps: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
+    parser.add_argument("--strategy", choices=["dp", "dp-tree", "fsdp"], default="dp")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32, help="global batch (all processes)")
     parser.add_argument("--loader", choices=["auto", "grain", "plain"], default="auto")
@@ -99,8 +104,10 @@ def main(argv=None) -> int:
     import optax
     from flax import nnx
 
-    mesh = px.make_mesh(data=-1) if args.strategy == "dp" else px.make_mesh(fsdp=-1)
-    strategy = px.DataParallel("data") if args.strategy == "dp" else px.FSDP("fsdp")
+    mesh = px.make_mesh(fsdp=-1) if args.strategy == "fsdp" else px.make_mesh(data=-1)
+    strategy = {"dp": px.DataParallel("data"),
+                "dp-tree": px.DataParallel("data", sync=px.BucketedSync(algorithm="tree")),
+                "fsdp": px.FSDP("fsdp")}[args.strategy]
     data = dataset(args.batch * args.steps)
 
     def make_state():

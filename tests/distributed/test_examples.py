@@ -19,6 +19,7 @@ def load(name):
 
 @pytest.mark.parametrize("args", [
     ["--steps", "3", "--loader", "plain"],
+    ["--steps", "3", "--loader", "plain", "--strategy", "dp-tree"],
     pytest.param(["--steps", "3", "--strategy", "fsdp", "--loader", "grain"],
                  marks=pytest.mark.skipif(importlib.util.find_spec("grain") is None,
                                           reason="grain is optional (pip install grain)")),

@@ -188,3 +188,15 @@ def test_a_batch_axis_of_size_one_runs_no_collective():
         plain_losses.append(float(loss))
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
     assert px.testing.relative_difference(trained.params, plain.params) <= 1e-6
+
+
+@pytest.mark.parametrize("stage, algorithm", [(3, "tree"), (2, "ring")])
+def test_point_to_point_sync_sums_what_zero_leaves_across_replicas(stage, algorithm):
+    # HSDP: ZeRO's reduce-scatter over fsdp, then the point-to-point sum over data
+    one_losses, one = train(px.make_mesh(data=1, devices=jax.devices()[:1]),
+                            px.DataParallel("data"))
+    strategy = px.compose(px.DataParallel("data", sync=px.BucketedSync(algorithm=algorithm)),
+                          px.ZeRO(stage, "fsdp"))
+    losses, state = train(px.make_mesh(data=2, fsdp=4), strategy)
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    assert px.testing.relative_difference(state.params, one.params) <= 1e-5

@@ -51,11 +51,13 @@ REASONS = {
 
 def _measured_gradients(found, counts, setting: StepSetting) -> float | None:
     """Bytes of gradients a device holds after the sync: the largest total result of the
-    reducing collectives over one group of batch axes (scalars left out)."""
+    reducing collectives over one group of batch axes (scalars left out). None when no
+    collective reduces them (one device, or a point-to-point sync's exchanges)."""
     batch = set(setting.batch_axes)
     groups: dict[tuple, float] = {}
     for c in found:
-        if c.kind in ("all-reduce", "reduce-scatter") and c.axes and set(c.axes) <= batch:
+        if (c.kind in ("all-reduce", "reduce-scatter") and c.axes and set(c.axes) <= batch
+                and c.result_bytes > 8):
             runs = counts.get(c.computation, c.count)
             groups[c.axes] = groups.get(c.axes, 0.0) + runs * max(c.result_bytes - 8, 0)
     return max(groups.values()) if groups else None

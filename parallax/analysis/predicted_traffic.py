@@ -6,7 +6,9 @@ is the parameters' bytes on one device after the rules' split (tensor, pipeline)
 
 ===========================  ===========================================================
 data parallel                all-reduce of the gradients ``Ψ`` over the batch axes, and of
-                             the loss (4 bytes)
+                             the loss (4 bytes); with a point-to-point sync, collective-
+                             permutes: ``log2 n`` exchanges of ``Ψ`` (tree), ``2(n-1)``
+                             messages of ``Ψ/n`` (ring)
 ZeRO 1 / 2 / 3 over ``N``    2, 3: reduce-scatter ``Ψ`` over ZeRO's axis, all-reduce
                              ``Ψ / N`` over the other batch axes; 1, 2: all-gather of the
                              updated parameters ``Ψ``; 3: all-gather ``Ψ`` before use
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 from parallax.analysis.predicted_memory import (Estimate, activation_bytes, local_param_bytes,
                                                 microbatch_rows, state_bytes)
 from parallax.analysis.setting import StepSetting
+from parallax.comm import cost
 from parallax.analysis.tensor_traffic import megatron_traffic
 from parallax.mesh import AXIS_ORDER
 from parallax.models.gpt_config import flops_per_token, param_count
@@ -88,6 +91,25 @@ def collectives(s: StepSetting) -> dict[tuple[str, tuple[str, ...]], Traffic]:
     return {key: t for key, t in out.items() if t.message_bytes > 0}
 
 
+def _gradient_sum(s: StepSetting, add, axes, nbytes: float, how: str) -> None:
+    """The sum of one gradient over ``axes``: XLA's all-reduce, or the point-to-point
+    messages of a sync like ``px.BucketedSync(algorithm="tree" | "ring" | "auto")``."""
+    algorithm = getattr(s.strategy.grad_sync, "algorithm", "xla")
+    if algorithm == "xla" or not getattr(s.strategy.grad_sync, "varying_results", False):
+        add("all-reduce", axes, nbytes, 0, how)
+        return
+    n = s.size(axes)
+    if algorithm == "auto":
+        algorithm = cost.choose_algorithm(nbytes, n, cost.default_link(s.backend))
+    if algorithm == "tree":
+        rounds = cost.tree_rounds_count(n)
+        add("collective-permute", axes, rounds * nbytes, rounds,
+            f"{how} by recursive doubling: {rounds} exchanges of the gradient")
+    else:
+        add("collective-permute", axes, 2 * (n - 1) / n * nbytes, 2 * (n - 1),
+            f"{how} by a ring of collective-permutes: 2(n-1) messages of Ψ/n")
+
+
 def _data_parallel(s: StepSetting, add) -> None:
     batch, z, stage = s.batch_axes, s.zero_axis, s.zero_stage
     if not batch:
@@ -97,7 +119,7 @@ def _data_parallel(s: StepSetting, add) -> None:
     for leaf in (x for x in s.leaves if x.role == "param"):
         psi = leaf.nbytes / leaf.rule_ways
         if not (stage and leaf.zero_split):  # ZeRO keeps a leaf with no divisible dim whole
-            add("all-reduce", batch, psi, 0, "data parallel: all-reduce Ψ")
+            _gradient_sum(s, add, batch, psi, "data parallel: all-reduce Ψ")
             continue
         if stage == 3:
             add("all-gather", (z,), psi, 1, "ZeRO 3: all-gather Ψ before use")
@@ -106,9 +128,9 @@ def _data_parallel(s: StepSetting, add) -> None:
         if stage >= 2:
             add("reduce-scatter", (z,), psi, 1, f"ZeRO {stage}: reduce-scatter Ψ")
             if rest:
-                add("all-reduce", rest, psi / n, 0, "all-reduce Ψ/N over the other batch axes")
+                _gradient_sum(s, add, rest, psi / n, "all-reduce Ψ/N over the other batch axes")
         else:
-            add("all-reduce", batch, psi, 0, "ZeRO 1: all-reduce Ψ")
+            _gradient_sum(s, add, batch, psi, "ZeRO 1: all-reduce Ψ")
     add("all-reduce", batch, 4, 1, "the loss (float32); XLA combines the all-reduces")
 
 

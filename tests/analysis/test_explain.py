@@ -49,6 +49,25 @@ def test_explain_agrees_with_the_compiled_program(name):
     assert_agrees(gpt_report(name))
 
 
+@pytest.mark.parametrize("algorithm", ["tree", "ring", "auto"])
+def test_explain_predicts_a_point_to_point_sync(algorithm):
+    # gradients summed by collective-permutes: predicted from the algorithm, and found
+    axes, strategy, loss_fn = commands.parse_strategy("dp", 8)
+    mesh = px.make_mesh(**axes)
+    strategy = px.DataParallel("data", sync=px.BucketedSync(algorithm=algorithm))
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        loss, grads = px.value_and_grad(loss_fn)(state.model, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    report = px.explain(step, jax.eval_shape(commands.state_fn(CONFIG)), BATCH)
+    permutes = report.row("collective-permute over data")
+    assert permutes.ratio == pytest.approx(1, abs=0.01), report.text()
+    assert report.row("all-reduce over data").measured == 4  # the loss only
+    assert report.row("gradients").measured is None  # no collective reduces them whole
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp+pp-gpipe", "dp+pp-1f1b", "dp+pp-interleaved"])
 def test_explain_pipelines(name):

@@ -59,9 +59,9 @@ class BucketedSync:
         exchange of the whole gradient), ``"ring"`` or ``"auto"`` (ring or tree per
         gradient by :func:`parallax.comm.cost.choose_algorithm`). With ``"operands"``
         packing each gradient is reduced on its own as soon as the backward produces it.
-        Across CPU processes this is the fast choice: XLA's gloo all-reduce runs its ring
-        in many small synchronous segments, while a ``collective-permute`` is one
-        send and one receive (``docs/distributed.md`` has the measurements). Every device
+        Across CPU processes this is the fast choice: inside a step XLA's gloo all-reduce
+        (a ring whose steps wait on the peers) cost about twice what one
+        ``collective-permute`` exchange did (``docs/distributed.md`` has the measurements). Every device
         adds the same numbers in the same order, so the sums are bit-identical across
         devices; they are typed varying, and the step's ``shard_map`` runs with
         ``check_vma=False`` (:attr:`varying_results`).

@@ -59,7 +59,7 @@ def _measured_gradients(found, counts, setting: StepSetting) -> float | None:
         if (c.kind in ("all-reduce", "reduce-scatter") and c.axes and set(c.axes) <= batch
                 and c.result_bytes > 8):
             runs = counts.get(c.computation, c.count)
-            groups[c.axes] = groups.get(c.axes, 0.0) + runs * max(c.result_bytes - 8, 0)
+            groups[c.axes] = groups.get(c.axes, 0.0) + runs * (c.result_bytes - 8)
     return max(groups.values()) if groups else None
 
 

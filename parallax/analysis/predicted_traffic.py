@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from parallax.analysis.predicted_memory import (Estimate, activation_bytes, local_param_bytes,
                                                 microbatch_rows, state_bytes)
 from parallax.analysis.setting import StepSetting
-from parallax.comm import cost
 from parallax.analysis.tensor_traffic import megatron_traffic
+from parallax.comm import cost
 from parallax.mesh import AXIS_ORDER
 from parallax.models.gpt_config import flops_per_token, param_count
 

@@ -178,14 +178,13 @@ def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET
             f"{api}: packing='operands' with algorithm='xla' reduces with XLA's all-reduce, "
             "which has no product; use packing='flat' or a point-to-point algorithm "
             "('ring', 'tree') for op='prod'.")
-    if packing == "operands" and algorithm == "xla":
-        return over_buckets(tree, lambda pieces: _reduce_operands(pieces, axis, op, compression),
-                            bucket_bytes=bucket_bytes, reverse=reverse, flat=False)
-    if packing == "operands":
-        return over_buckets(
-            tree, lambda pieces: [all_reduce(p, axis, op, algorithm=algorithm,
-                                             compression=compression) for p in pieces],
-            bucket_bytes=bucket_bytes, reverse=reverse, flat=False)
+    if packing == "operands":  # XLA: one psum over the pieces; else each piece on its own
+        reduce_pieces = (
+            (lambda pieces: _reduce_operands(pieces, axis, op, compression)) if algorithm == "xla"
+            else (lambda pieces: all_reduce(pieces, axis, op, algorithm=algorithm,
+                                            compression=compression)))
+        return over_buckets(tree, reduce_pieces, bucket_bytes=bucket_bytes, reverse=reverse,
+                            flat=False)
     return over_buckets(
         tree, lambda flat: all_reduce(flat, axis, op, algorithm=algorithm, compression=compression),
         bucket_bytes=bucket_bytes, reverse=reverse)

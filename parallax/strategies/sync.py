@@ -61,9 +61,9 @@ class BucketedSync:
         packing each gradient is reduced on its own as soon as the backward produces it.
         Across CPU processes this is the fast choice: inside a step XLA's gloo all-reduce
         (a ring whose steps wait on the peers) cost about twice what one
-        ``collective-permute`` exchange did (``docs/distributed.md`` has the measurements). Every device
-        adds the same numbers in the same order, so the sums are bit-identical across
-        devices; they are typed varying, and the step's ``shard_map`` runs with
+        ``collective-permute`` exchange did (``docs/distributed.md`` has the measurements).
+        Every device adds the same numbers in the same order, so the sums are bit-identical
+        across devices; they are typed varying, and the step's ``shard_map`` runs with
         ``check_vma=False`` (:attr:`varying_results`).
 
     A value (equal settings compare equal), so strategies holding it compose and compare.

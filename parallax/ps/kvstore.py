@@ -22,7 +22,7 @@ import ray
 
 from parallax.ps.cluster import init_cluster
 from parallax.ps.consistency import as_consistency
-from parallax.ps.errors import ServerUnavailableError
+from parallax.ps.errors import get_from_servers
 from parallax.ps.handles import SumHandle
 from parallax.ps.keys import MAX_KEY, KeyRange, server_key_ranges
 from parallax.ps.optax_handle import OptaxHandle
@@ -185,15 +185,10 @@ class KVStore:
         return self._get([getattr(server, method).remote() for server in self._servers])
 
     def _get(self, refs) -> list:
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as error:
-            raise ServerUnavailableError(
-                f"KVStore: a parameter server's process died ({type(error).__name__}); its "
-                f"values are lost. Start a new KVStore and restore a checkpoint "
-                f"(KVStore.restore).") from None
-        except ray.exceptions.RayTaskError as error:
-            raise error.cause from None
+        return get_from_servers(refs, lambda error: (
+            f"KVStore: a parameter server's process died ({type(error).__name__}); its "
+            f"values are lost. Start a new KVStore and restore a checkpoint "
+            f"(KVStore.restore)."))
 
 
 def _check_count(name: str, value) -> int:

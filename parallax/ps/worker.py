@@ -14,7 +14,7 @@ import numpy as np
 import ray
 
 from parallax.ps.consistency import BoundedDelay
-from parallax.ps.errors import ServerUnavailableError
+from parallax.ps.errors import get_from_servers
 from parallax.ps.handles import UPDATE
 from parallax.ps.keys import KeyRange, check_keys, slice_bounds, value_offsets
 
@@ -207,19 +207,16 @@ class KVWorker:
         return timestamp
 
     def _get(self, refs, servers):
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as error:
+        def unavailable(error):
             dead = _dead_server(refs, servers)
             where = ("" if dead is None else
                      f" server {dead} of {len(self._servers)} (keys [{self._ranges[dead].begin}, "
                      f"{self._ranges[dead].end})):")
-            raise ServerUnavailableError(
-                f"KVWorker.wait: a parameter server is unreachable;{where} its process died "
-                f"({type(error).__name__}) and its values are lost. Restart the servers and "
-                f"restore them from a checkpoint (KVStore.save / KVStore.restore).") from None
-        except ray.exceptions.RayTaskError as error:
-            raise error.cause from None
+            return (f"KVWorker.wait: a parameter server is unreachable;{where} its process died "
+                    f"({type(error).__name__}) and its values are lost. Restart the servers and "
+                    f"restore them from a checkpoint (KVStore.save / KVStore.restore).")
+
+        return get_from_servers(refs, unavailable)
 
 
 def _dead_server(refs, servers) -> int | None:

@@ -15,6 +15,7 @@ import dataclasses
 
 from jax.sharding import Mesh
 
+from parallax.context_binding import binding
 from parallax.strategy import Strategy
 
 
@@ -48,11 +49,8 @@ def current() -> StepContext | None:
 @contextlib.contextmanager
 def activate(context: StepContext | None):
     """Makes ``context`` current inside the ``with`` block."""
-    token = _current.set(context)
-    try:
+    with binding(_current, context):
         yield context
-    finally:
-        _current.reset(token)
 
 
 @contextlib.contextmanager

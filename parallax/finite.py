@@ -31,6 +31,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from parallax.context_binding import binding
 from parallax.rules import readable_path
 
 _records: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -49,11 +50,8 @@ def scope(enabled: bool = True):
     ``enabled=False`` suspends recording (inside a region whose values cannot leave it).
     """
     records: list = []
-    token = _records.set(records if enabled else None)
-    try:
+    with binding(_records, records if enabled else None):
         yield records
-    finally:
-        _records.reset(token)
 
 
 def all_finite(x) -> jax.Array:

@@ -22,7 +22,7 @@ CORE = {
     "parallax.state", "parallax.step", "parallax.strategy", "parallax.vma",
     "parallax.local_shards", "parallax.rng", "parallax.finite", "parallax.aux",
     "parallax.mutable", "parallax.local_loss", "parallax.producer", "parallax.guards",
-    "parallax.lazy_names",
+    "parallax.lazy_names", "parallax.context_binding",
 }
 BUILT_ON_CORE = ("parallax.strategies", "parallax.nn", "parallax.pipeline")
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from parallax.context_binding import binding
 from parallax.tf.reduce_op import as_reduce_op
 
 
@@ -149,19 +150,13 @@ def current_scope():
 @contextlib.contextmanager
 def replica(context: ReplicaContext):
     """Makes ``context`` the replica context inside the ``with`` block (used by ``run``)."""
-    token = _replica.set(context)
-    try:
+    with binding(_replica, context):
         yield context
-    finally:
-        _replica.reset(token)
 
 
 @contextlib.contextmanager
 def cross_replica_scope(strategy):
     """Marks ``strategy``'s scope active inside the ``with`` block (used by ``scope()``)."""
-    token = _scope.set(strategy)
-    try:
+    with binding(_scope, strategy):
         yield strategy
-    finally:
-        _scope.reset(token)
 

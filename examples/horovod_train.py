@@ -3,6 +3,7 @@
     parallax launch -np 2 python examples/horovod_train.py --steps 20      # 2 ranks
     python examples/horovod_train.py --steps 20                            # alone (8 devices)
     parallax launch -np 2 python examples/horovod_train.py --check         # vs one process
+    parallax launch -np 2 python examples/horovod_train.py --algorithm tree  # CPU clusters
 
 The shape of every Horovod script: ``hvd.init()``; each rank starts from its own random
 parameters (seeded by its rank, to show the broadcast), ``hvd.broadcast_parameters`` makes
@@ -11,6 +12,8 @@ shard of the data (``rows[rank::size]`` in Horovod, a contiguous block here); ra
 The step is written for one rank and run by ``@hvd.jit`` over every device of every process.
 The data are synthetic (a noisy linear teacher), so nothing is downloaded. ``--check`` runs
 the same steps as one plain ``jax.jit`` program on the full batches and compares.
+``--algorithm tree`` sums the gradient buckets with point-to-point exchanges instead of
+XLA's all-reduce (faster across CPU processes over gloo; ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="global batch (all ranks)")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--check", action="store_true", help="compare with one process")
+    parser.add_argument("--algorithm", default="xla", choices=["xla", "tree", "ring", "auto"],
+                        help="how the optimizer sums gradient buckets")
     args = parser.parse_args(argv)
     if "PARALLAX_NUM_PROCESSES" not in os.environ:
         from parallax.cli import simulate_cpu_devices
@@ -93,7 +98,8 @@ def main(argv=None) -> int:
     import parallax as px
 
     params = hvd.broadcast_parameters(init_params(seed=hvd.rank()), root_rank=0)
-    tx = hvd.DistributedOptimizer(optax.adam(args.lr))     # lr for the global batch
+    tx = hvd.DistributedOptimizer(optax.adam(args.lr),     # lr for the global batch
+                                  algorithm=args.algorithm)
     opt_state = hvd.broadcast_optimizer_state(tx.init(params), root_rank=0)
     data = teacher_data(args.steps, args.batch)
     rows = px.distributed.process_slice(args.batch)          # this rank's shard

@@ -6,7 +6,10 @@ gradient of the global batch. Where it runs decides how it reduces:
 
 - inside ``@hvd.jit`` (or any ``shard_map`` binding its ``axis_name``): per device, with
   ``parallax.comm.bucketed_all_reduce`` (Horovod's fusion buffer: flat buckets of
-  ``fusion_bytes``, one all-reduce each), or Adasum's pairwise rounds;
+  ``fusion_bytes``, one all-reduce each; with ``algorithm="tree" | "ring" | "auto"`` each
+  bucket is summed by ``parallax.comm``'s point-to-point exchanges instead of XLA's
+  all-reduce, which is faster on CPU clusters over gloo: see ``docs/distributed.md``), or
+  Adasum's pairwise rounds;
 - eagerly, on process-local gradients: one jitted program over the processes' rows;
 - inside ``px.train_step``: the strategy (``px.DataParallel``, ZeRO, ...) has already
   averaged the gradients over the batch axes, so only the local accumulation below applies.
@@ -39,6 +42,9 @@ from parallax.horovod.ops import Compression, ReduceOp, check_compression, check
 
 API = "hvd.DistributedOptimizer"
 FUSION_BYTES = 64 * 2**20  # Horovod's HOROVOD_FUSION_THRESHOLD default
+# how a bucket is summed inside @hvd.jit: XLA's all-reduce or a point-to-point algorithm of
+# parallax.comm ("hierarchical" needs two named axes; the Horovod ranks are one)
+ALGORITHMS = ("xla", "tree", "ring", "auto")
 
 
 class DistributedOptimizerState(NamedTuple):
@@ -72,7 +78,7 @@ def _mode(grads, axis_name: str) -> str:
 
 
 def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes: int,
-            axis_name: str):
+            axis_name: str, algorithm: str):
     """The gradients reduced over the ranks as ``op`` says (mean for Average)."""
     if mode == "strategy" or (mode == "eager" and jax.process_count() == 1):
         return grads  # reduced by the strategy already, or one rank
@@ -87,7 +93,7 @@ def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes
     if mode == "program":
         ranks = lax.axis_size(axis_name)
         summed = comm.bucketed_all_reduce(scaled, axis_name, bucket_bytes=fusion_bytes,
-                                          op="sum", compression=wire)
+                                          op="sum", compression=wire, algorithm=algorithm)
     else:
         ranks = jax.process_count()
         sent = [np.asarray(g).astype(wire.wire_dtype(g.dtype)) for g in scaled]
@@ -124,7 +130,7 @@ def _eager_rows(kind: tuple, leaves):
 def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=ReduceOp.Average, gradient_predivide_factor: float = 1.0, *,
-                         fusion_bytes: int = FUSION_BYTES,
+                         fusion_bytes: int = FUSION_BYTES, algorithm: str = "xla",
                          axis_name: str = AXIS) -> optax.GradientTransformation:
     """Wraps ``tx`` so that its updates use the gradients averaged over every rank.
 
@@ -136,6 +142,11 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
       gradient_predivide_factor: split Average's division around the sum (Average only).
       fusion_bytes: bucket capacity of the fused all-reduce (Horovod's fusion threshold).
+      algorithm: how each bucket is summed inside a program: ``"xla"`` (XLA's all-reduce:
+        NCCL on GPU, ICI on TPU, gloo on CPU) or ``"tree"``, ``"ring"``, ``"auto"``
+        (``parallax.comm``'s point-to-point exchanges, which beat gloo's all-reduce on CPU
+        clusters). Eager reductions (outside a program) are one XLA program whatever this
+        says, and inside ``px.train_step`` the strategy's sync decides.
       axis_name: the mesh axis of the ranks inside a program (``@hvd.jit``'s ``"data"``).
 
     Returns:
@@ -166,6 +177,13 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
         raise ValueError(f"{API}: op={op} reduces gradients with hvd.Average, hvd.Sum or "
                          "hvd.Adasum only.")
     wire = check_compression(API, compression)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"{API}: algorithm={algorithm!r} must be one of {', '.join(map(repr, ALGORITHMS))}: "
+            "XLA's all-reduce, or a point-to-point algorithm of parallax.comm.")
+    if algorithm != "xla" and op is ReduceOp.Adasum:
+        raise ValueError(f"{API}: algorithm={algorithm!r} sums buckets; op=hvd.Adasum has its "
+                         "own pairwise rounds. Pass algorithm='xla' (the default) with Adasum.")
     k = backward_passes_per_step
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{API}: backward_passes_per_step={k!r} must be an int >= 1.")
@@ -176,7 +194,7 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
 
     def reduce(grads):
         return _reduce(grads, _mode(grads, axis_name), op, wire, factor, fusion_bytes,
-                       axis_name)
+                       axis_name, algorithm)
 
     def init_fn(params):
         accumulated = PerRank(jax.tree.map(jnp.zeros_like, params)) if k > 1 else ()

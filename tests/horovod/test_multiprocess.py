@@ -13,7 +13,7 @@ from tests.distributed.launching import run_launcher
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 PROGRAM = "tests/horovod/programs/collectives.py"
-CHECKS = 26  # "ok ..." lines each rank prints
+CHECKS = 27  # "ok ..." lines each rank prints
 
 
 def assert_horovod_agrees(text: str, ranks: int, train: bool) -> None:

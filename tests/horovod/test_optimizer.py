@@ -1,6 +1,7 @@
 """hvd.DistributedOptimizer on 8 simulated devices (the ranks of @hvd.jit): the one-device
 numbers, compression, predivision, DDP's no_sync (k micro-steps = one big batch, one sync),
-fused buckets in reverse order, inside px.train_step, and pinned errors."""
+fused buckets in reverse order, point-to-point bucket sums, inside px.train_step, and pinned
+errors."""
 
 import math
 import re
@@ -136,6 +137,21 @@ def test_fused_buckets_in_reverse_order():
     assert plan[0].pieces[0][0] == len(jax.tree.leaves(params)) - 1
 
 
+@pytest.mark.parametrize("algorithm", ["tree", "ring", "auto"])
+def test_point_to_point_sums_train_to_the_one_device_numbers(algorithm):
+    ref_losses, ref_params = one_device(optax.adam(1e-2), data())
+    tx = hvd.DistributedOptimizer(optax.adam(1e-2), algorithm=algorithm, fusion_bytes=1024)
+    losses, params, step = horovod(tx, data())
+    close(np.array(losses), np.array(ref_losses), 1e-6)
+    close(params, ref_params, 1e-5)
+    # the gradients travel as collective-permutes; the only all-reduce left is the loss's
+    params = init_params()
+    found = hlo.collectives(step.lower(params, tx.init(params), data(1)[0]).compile(),
+                            hvd.mesh())
+    assert [c for c in found if c.kind == "collective-permute"]
+    assert all(c.message_bytes <= 4 for c in found if c.kind == "all-reduce")
+
+
 def test_inside_px_train_step_the_strategy_has_already_averaged():
     k, make = 2, lambda tx: (lambda: px.TrainState.create(
         px.models.MLP(8, [32], 4, rngs=__import__("flax").nnx.Rngs(0)), tx))
@@ -161,6 +177,14 @@ def test_errors():
     with pytest.raises(ValueError, match=r"op=ReduceOp\.Max reduces gradients with "
                                          r"hvd\.Average, hvd\.Sum or hvd\.Adasum only"):
         hvd.DistributedOptimizer(optax.sgd(0.1), op=hvd.Max)
+    with pytest.raises(ValueError, match=re.escape(
+            "hvd.DistributedOptimizer: algorithm='hierarchical' must be one of 'xla', 'tree', "
+            "'ring', 'auto': XLA's all-reduce, or a point-to-point algorithm of parallax.comm.")):
+        hvd.DistributedOptimizer(optax.sgd(0.1), algorithm="hierarchical")
+    with pytest.raises(ValueError, match=re.escape(
+            "hvd.DistributedOptimizer: algorithm='tree' sums buckets; op=hvd.Adasum has its own "
+            "pairwise rounds. Pass algorithm='xla' (the default) with Adasum.")):
+        hvd.DistributedOptimizer(optax.sgd(0.1), op=hvd.Adasum, algorithm="tree")
     tx = hvd.DistributedOptimizer(optax.sgd(0.1))
     params = init_params()
     with pytest.raises(ValueError, match=re.escape(

@@ -1,6 +1,7 @@
 """Launched with N processes: every collective of parallax.horovod equals numpy on the
 gathered inputs, broadcasts make processes started with different seeds identical (DDP's
-start), and the optimizer trains to the one-process numbers eagerly.
+start), and the optimizer trains to the one-process numbers eagerly and inside @hvd.jit
+(buckets summed by point-to-point exchanges).
 
     parallax launch -np 4 python collectives.py
     parallax launch -np 2 --devices-per-process 2 python collectives.py
@@ -144,6 +145,31 @@ def eager_optimizer():
     check("DistributedOptimizer eager", w, w_ref, rtol=1e-6)
 
 
+def program_optimizer():
+    """Inside @hvd.jit, buckets summed by tree exchanges: the full-batch numbers."""
+    rng = np.random.default_rng(8)
+    devices = jax.device_count()
+    x = rng.standard_normal((2 * devices, 3)).astype(np.float32)
+    y = rng.standard_normal((2 * devices, 1)).astype(np.float32)
+    loss = lambda w, xb, yb: jnp.mean((xb @ w - yb) ** 2)  # noqa: E731
+    ref_tx = optax.adam(0.1)
+    tx = hvd.DistributedOptimizer(optax.adam(0.1), algorithm="tree", fusion_bytes=8)
+
+    @hvd.jit
+    def step(w, state, xb, yb):
+        updates, state = tx.update(jax.grad(loss)(w, xb, yb), state, w)
+        return optax.apply_updates(w, updates), state
+
+    w_ref = w = jnp.zeros((3, 1))
+    ref_state, state = ref_tx.init(w_ref), tx.init(w)
+    rows = px.distributed.process_slice(len(x))
+    for _ in range(3):
+        updates, ref_state = ref_tx.update(jax.grad(loss)(w_ref, x, y), ref_state)
+        w_ref = optax.apply_updates(w_ref, updates)
+        w, state = step(w, state, x[rows], y[rows])
+    check("DistributedOptimizer tree sum in @hvd.jit", w, w_ref, rtol=1e-6)
+
+
 def batch_shapes_are_checked():
     """Processes that pass different shapes get a clear error, not a hang or garbage."""
     mesh, strategy = px.make_mesh(data=-1), px.DataParallel("data")
@@ -166,6 +192,7 @@ def main(train: bool = False) -> None:
     program_collectives()
     ddp_start_from_rank_0()
     eager_optimizer()
+    program_optimizer()
     if train:  # the Horovod-style example against one process
         sys.path.insert(0, "examples")
         import horovod_train

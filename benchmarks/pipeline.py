@@ -15,7 +15,7 @@ of a forward scan, on the same model, mesh and batch, one run prints:
 - ``flops`` and ``bytes``: what the compiled program executes, summed over the stages,
   relative to the sequential program's (printed in the header):
   ``parallax.pipeline.runtime.executed`` counts each instruction as XLA's cost analysis
-  does, loop bodies times their trip counts, and the runtime's switch branches as often as
+  does, loop bodies times their trip counts, and the runtime's guarded actions as often as
   the table runs them (XLA's own ``cost_analysis()`` counts a loop body once). ``bytes``
   is relative to the sequential program's bytes plus the permuted bytes;
 - ``time``: the median step time relative to the sequential model (``jax.value_and_grad``
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         ticks = f"{sched.ticks}" if sched else "-"  # no table: nothing to read
         bubble = f"{sched.bubble_fraction():.3f}" if sched else "-"
         permuted = hlo.total_bytes(found, "collective-permute")
-        # summed over the stages; a table's switch weighed by the table, GPipe by
+        # summed over the stages; a table's actions weighed by the table, GPipe by
         # autodiff's conditionals (first, last) at their most expensive branch
         cost = executed_cost(c, table_fractions(runtime_plan(sched, remat_plan))
                              if sched else None)

@@ -5,10 +5,10 @@ flops, and the bytes each device holds of every argument.
 a 2-layer GPT scanned over its layers reported the flops of one layer), and counts every
 branch of a conditional. This module reads the partitioned HLO instead: it walks the call
 graph from the entry, multiplies by the trip counts of ``while`` loops, and weighs the
-branches of conditionals when it knows how often each runs, which it does for the pipeline
-runtime's per-tick switch (:class:`PipelineBranches`). Matmul flops are then summed over
-``dot`` instructions (and cuBLAS gemm custom calls on GPU), each ``2 x output elements x
-contracted size`` times how often it runs.
+branches of conditionals (and loops XLA cannot count) when it knows how often each runs,
+which it does for the pipeline runtime's guarded actions (:class:`PipelineBranches`).
+Matmul flops are then summed over ``dot`` instructions (and cuBLAS gemm custom calls on
+GPU), each ``2 x output elements x contracted size`` times how often it runs.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -38,18 +38,31 @@ _OPERANDS = re.compile(r"\(\s*(?:[a-z]\w*\[[\d,]*\]\{?[\d,]*\}?\s+)?%([\w.\-]+)"
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 
 
+# The pipeline runtime (parallax.pipeline.runtime.actions) names its control flow in the
+# op_name metadata: each tick runs one guarded ``while`` (0 or 1 trips) per kind of action,
+# ``pp_F``, ``pp_B``, ``pp_W``; inside them a flag is a ``lax.cond`` (``pp_first``,
+# ``pp_last``) or, for a rematerialised backward, a guarded ``while`` (``pp_remat``).
+PIPELINE_GUARD = re.compile(r"pp_([FBW])/while$")
+PIPELINE_FLAG = re.compile(r"pp_([FBW])/while/body/(?:.*/)?pp_(first|last|remat)/(cond|while)$")
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineBranches:
-    """How often the pipeline runtime's per-tick switch takes each branch, per device.
+    """How often the pipeline runtime's guarded actions run, per device, from its shape.
 
-    The runtime scans over the schedule's ticks and switches on each stage's action: branch
-    0 idle, 1 forward, 2 input-gradient backward, 3 weight-gradient backward. Every stage
-    runs ``microbatches x virtual_stages`` actions of each kind. Inside the forward, the
-    runtime branches again on "first virtual stage" (the embedding) and "last virtual
-    stage" (head and loss): each is true for ``1 / (stages x virtual_stages)`` of the
-    forwards, on average over the stages; inside the input-gradient backward, on
-    "rematerialised" (the forward recomputed), true for ``remat_fraction`` of them. Counts
-    are therefore per device *on average over the stage axis*.
+    The runtime scans over the schedule's ticks; each tick every stage runs at most one of
+    its guarded loops (forward, input-gradient backward, weight-gradient backward), and
+    every stage runs ``microbatches x virtual_stages`` actions of each kind. Inside the
+    forward and the backward, "first virtual stage" (the embedding) and "last virtual
+    stage" (head and loss) hold for ``1 / (stages x virtual_stages)`` of them on average
+    over the stages; inside the input-gradient backward, "rematerialised" (the forward
+    recomputed) for ``remat_fraction``. Counts are therefore per device *on average over
+    the stage axis*. (``parallax.pipeline.runtime.executed.table_fractions`` answers the
+    same question exactly, from the schedule's table.)
+
+    Called as ``fractions(op_name, branches)``: for a guarded loop (``branches == 0``)
+    ``[mean trips]``, for a flag's two-way conditional ``[false, true]`` shares, None for
+    anything else.
     """
 
     ticks: int
@@ -58,55 +71,54 @@ class PipelineBranches:
     virtual_stages: int
     remat_fraction: float
 
-    def switch(self) -> list[float]:
-        """Per-tick weights of the four branches (idle, F, B, W)."""
+    def kinds(self) -> list[float]:
+        """Per-tick shares of idle, F, B and W."""
         runs = self.microbatches * self.virtual_stages
         return [(self.ticks - 3 * runs) / self.ticks] + [runs / self.ticks] * 3
 
-    def nested(self, kind: int, branches: int, line: str = "") -> list[float] | None:
-        """Weights of a two-way conditional inside the switch's branch ``kind``.
-
-        The runtime names its conditionals (``pp_first``, ``pp_last``, ``pp_remat`` in the
-        op_name metadata); without a name, a forward's is taken for first/last and an
-        input-gradient backward's for the rematerialisation.
-        """
-        if branches != 2:
-            return None
-        edge = 1 / (self.stages * self.virtual_stages)
-        named = re.search(r"pp_(first|last|remat)/", line)
-        if named:
-            true = self.remat_fraction if named.group(1) == "remat" else edge
-        else:
-            true = {1: edge, 2: self.remat_fraction}.get(kind)
-        return None if true is None else [1 - true, true]
+    def __call__(self, op_name: str, branches: int) -> list[float] | None:
+        flag = PIPELINE_FLAG.search(op_name)
+        if flag:
+            edge = 1 / (self.stages * self.virtual_stages)
+            true = self.remat_fraction if flag.group(2) == "remat" else edge
+            if flag.group(3) == "while":
+                return [true] if branches == 0 else None
+            return [1 - true, true] if branches == 2 else None
+        guard = PIPELINE_GUARD.search(op_name)
+        if guard and branches == 0:
+            return [self.kinds()["_FBW".index(guard.group(1))]]
+        return None
 
 
 def computation_counts(text: str, pipeline: PipelineBranches | None = None) -> dict[str, float]:
     """How many times each computation runs per call of the program (per device).
 
-    Loops multiply by their known trip count. Branches of a conditional count once each
-    (an upper bound), except the pipeline runtime's switch and its nested conditionals
-    when ``pipeline`` says how often they run.
+    Loops multiply by their known trip count (a loop XLA cannot count runs once). Branches
+    of a conditional count once each (an upper bound), except the pipeline runtime's, and
+    its guarded loops run as often as ``pipeline`` says (any
+    ``fractions(op_name, branches)`` callable, as :class:`PipelineBranches`).
     """
     blocks = hlo.computations(text)  # the same parse as hlo.collectives
     counts: dict[str, float] = defaultdict(float)
 
-    def visit(name: str, weight: float, trip: int | None, kind: int | None) -> None:
+    def visit(name: str, weight: float) -> None:
         counts[name] += weight
         for line in blocks.get(name, ()):
+            found = hlo.OP_NAME.search(line) if pipeline is not None else None
+            op_name = found.group(1) if found else ""
             for call in hlo.calls(line):
                 if call.kind == "condition":
                     continue
-                index, n = call.branch, call.branches
-                w, inner_kind = weight * call.times, kind
-                if index is not None and pipeline is not None:
-                    if n == 4 and trip == pipeline.ticks and kind is None:
-                        w, inner_kind = weight * pipeline.switch()[index], index
-                    elif kind is not None and (nested := pipeline.nested(kind, n, line)):
-                        w = weight * nested[index]
-                visit(call.callee, w, call.times if call.times > 1 else trip, inner_kind)
+                w = weight * call.times
+                if op_name and call.kind == "body" and "known_trip_count" not in line:
+                    shares = pipeline(op_name, 0)
+                    w = weight * shares[0] if shares else w
+                elif op_name and call.kind == "branch":
+                    shares = pipeline(op_name, call.branches)
+                    w = weight * shares[call.branch] if shares else w
+                visit(call.callee, w)
 
-    visit(hlo.entry_name(text), 1.0, None, None)
+    visit(hlo.entry_name(text), 1.0)
     return dict(counts)
 
 
@@ -130,7 +142,7 @@ def matmul_flops(program, pipeline: PipelineBranches | None = None) -> float:
 
     Args:
       program: a ``Compiled``, a ``Lowered`` or partitioned HLO text.
-      pipeline: how often the pipeline runtime's branches run (see :class:`PipelineBranches`).
+      pipeline: how often the pipeline runtime's actions run (see :class:`PipelineBranches`).
 
     Returns:
       ``sum 2 x prod(output dims) x prod(contracted lhs dims) x runs`` over ``dot``
@@ -165,8 +177,8 @@ def matmul_flops(program, pipeline: PipelineBranches | None = None) -> float:
 def collective_totals(program, mesh, pipeline: PipelineBranches | None = None):
     """``{(kind, axes): (count, message_bytes)}`` per call, counted like :func:`computation_counts`.
 
-    The same collectives as ``hlo.collectives``; only how often each runs differs (branches
-    of the pipeline's switch weighed by how often they are taken).
+    The same collectives as ``hlo.collectives``; only how often each runs differs (the
+    pipeline's guarded actions and flags weighed by how often they run).
 
     Example:
       >>> import jax, jax.numpy as jnp, parallax as px
@@ -212,8 +224,8 @@ def argument_bytes(compiled, args) -> list[list[int]]:
 
 
 def pipeline_ticks(program) -> int | None:
-    """The trip count of the pipeline runtime's tick loop (the ``while`` around a four-way
-    conditional: idle, F, B, W), or None when the program has none.
+    """The trip count of the pipeline runtime's tick loop (the ``while`` whose body runs the
+    guarded actions ``pp_F``, ``pp_B``, ``pp_W``), or None when the program has none.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -223,21 +235,21 @@ def pipeline_ticks(program) -> int | None:
     text = hlo.hlo_text(program)
     blocks = hlo.computations(text)
 
-    def has_switch(name: str, seen: set) -> bool:
+    def has_guard(name: str, seen: set) -> bool:
         if name in seen:
             return False
         seen.add(name)
         for line in blocks.get(name, ()):
-            calls = hlo.calls(line)
-            if any(c.branches == 4 for c in calls):
+            op_name = hlo.OP_NAME.search(line)
+            if " while(" in line and op_name and PIPELINE_GUARD.search(op_name.group(1)):
                 return True
-            if any(has_switch(c.callee, seen) for c in calls):
+            if any(has_guard(c.callee, seen) for c in hlo.calls(line) if c.kind != "body"):
                 return True
         return False
 
     for lines in blocks.values():
         for line in lines:
             for c in hlo.calls(line):
-                if c.kind == "body" and c.times > 1 and has_switch(c.callee, set()):
+                if c.kind == "body" and c.times > 1 and has_guard(c.callee, set()):
                     return c.times
     return None

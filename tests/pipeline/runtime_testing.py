@@ -141,9 +141,11 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_co
                     r"=%([\w.\-]+)|branch_computations=\{([^}]*)\}")
 
 
-def switch_dots(compiled_program) -> list[list[int]]:
-    """For each ``conditional`` with 4 branches (the runtime's switch: idle, F, B, W), the
-    number of ``dot`` instructions reachable from each branch."""
+def guard_dots(compiled_program) -> list[dict]:
+    """For each tick loop (a ``while`` whose body holds the runtime's guarded loops ``pp_F``,
+    ``pp_B``, ``pp_W``), the number of ``dot`` instructions reachable from each guard's body
+    (``{"F": ..., "B": ..., "W": ...}``, a list where a kind has several guards) and from the
+    tick body outside them (``"outside"``)."""
     blocks = hlo.computations(compiled_program.as_text())
 
     def callees(name):
@@ -151,14 +153,28 @@ def switch_dots(compiled_program) -> list[list[int]]:
             for m in _CALLS.finditer(line):
                 yield from ([m.group(1)] if m.group(1) else re.findall(r"%([\w.\-]+)", m.group(2)))
 
-    def dots(name):
+    def guard_of(line):
+        m = re.search(r'\swhile\(.*op_name="[^"]*pp_([FBW])/while"', line)
+        return m and m.group(1)
+
+    def dots(name, skip_guards=False):
         own = sum(1 for line in blocks.get(name, ()) if re.search(r"\sdot\(", line))
-        return own + sum(dots(c) for c in callees(name))
+        for line in blocks.get(name, ()):
+            if skip_guards and guard_of(line):
+                continue
+            own += sum(dots(c, skip_guards) for m in _CALLS.finditer(line)
+                       for c in ([m.group(1)] if m.group(1) else
+                                 re.findall(r"%([\w.\-]+)", m.group(2))))
+        return own
 
     found = []
-    for lines in blocks.values():
-        for line in lines:
-            m = re.search(r"\sconditional\(.*branch_computations=\{([^}]*)\}", line)
-            if m and len(names := re.findall(r"%([\w.\-]+)", m.group(1))) == 4:
-                found.append([dots(b) for b in names])
+    for body in {m.group(1) for lines in blocks.values() for line in lines
+                 if (m := re.search(r"\swhile\(.*body=%([\w.\-]+)", line))}:
+        guards = [(kind, re.search(r"body=%([\w.\-]+)", line).group(1))
+                  for line in blocks.get(body, ()) if (kind := guard_of(line))]
+        if guards:
+            counts: dict = {"outside": dots(body, skip_guards=True)}
+            for kind, guarded in guards:
+                counts.setdefault(kind, []).append(dots(guarded))
+            found.append(counts)
     return found

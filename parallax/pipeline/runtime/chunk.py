@@ -8,7 +8,7 @@ the gradient at every use; ``W`` turns those into each layer's weight gradient, 
 and independently. ``F + B + W`` computes what one ``jax.vjp`` does, once.
 
 The closure's structure comes from one template trace on *varying* dummy inputs (with
-invariant dummies the rebuilt closure's cotangent types differ between switch branches).
+invariant dummies the rebuilt closure's cotangent types differ between the actions).
 Residual leaves that are the layer's own parameters are not stashed: they are taken from the
 parameters again when the closure is rebuilt.
 

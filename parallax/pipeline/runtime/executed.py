@@ -2,13 +2,15 @@
 
 XLA's ``compiled.cost_analysis()`` counts a ``while`` body once, whatever its trip count, and
 a ``conditional`` as its most expensive branch. The pipeline runtime is a ``while`` over
-ticks around a ``conditional`` over actions, so its cost analysis says little about what
-runs. :func:`executed_cost` reads the same compiled program (its optimised HLO text) and
-counts each instruction as XLA's cost analysis does, but multiplies a loop body by its known
-trip count and weighs each branch of a conditional by how often it is taken (the caller
-says how often, e.g. from the schedule's table; by default the most expensive branch, as
-XLA does). With every trip count 1 it agrees with ``cost_analysis()`` to within the few
-per-instruction rules it approximates (tested).
+ticks around one guarded ``while`` per kind of action (0 or 1 trips, as the table says), so
+its cost analysis says little about what runs. :func:`executed_cost` reads the same compiled
+program (its optimised HLO text) and counts each instruction as XLA's cost analysis does,
+but multiplies a loop body by its known trip count, or by the mean trip count the caller
+gives for a loop whose count XLA does not know, and weighs each branch of a conditional by
+how often it is taken (the caller says how often, e.g. from the schedule's table; by default
+a loop of unknown count runs once and a conditional takes its most expensive branch, as
+XLA counts them). With every trip count 1 it agrees with ``cost_analysis()`` to within the
+few per-instruction rules it approximates (tested).
 
 The model of one instruction: FLOPs ``2 * output * contraction`` for ``dot``, one per output
 element for elementwise arithmetic; bytes accessed = operands read + output written, where a
@@ -26,6 +28,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from parallax.analysis import hlo
+from parallax.analysis.program import PIPELINE_FLAG, PIPELINE_GUARD
+from parallax.pipeline.schedules.action import KIND_CODES
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|c64|c128|f8\w*)\[([\d,]*)\]")
@@ -123,7 +127,9 @@ def executed_cost(program, fractions: Fractions | None = None, *,
       program: a compiled program (``jax.jit(f).lower(...).compile()``) or its HLO text.
       fractions: ``fractions(op_name, branches)`` -> the fraction of executions that take
         each branch of a conditional whose metadata ``op_name`` is given (``None``: the
-        most expensive branch, as XLA's cost analysis counts it).
+        most expensive branch, as XLA's cost analysis counts it); for a ``while`` whose
+        trip count XLA does not know it is called with ``branches=0`` and gives
+        ``[mean trips]`` (``None``: once, as XLA counts it).
       trip_counts: multiply loop bodies by their known trip counts (``False``: once, as
         XLA's cost analysis does).
 
@@ -157,6 +163,10 @@ def executed_cost(program, fractions: Fractions | None = None, *,
         if ins.opcode == "while":
             body = _called(ins, "body")
             times = body[0].times if body and trip_counts else 1
+            if trip_counts and fractions and "known_trip_count" not in ins.attributes:
+                op_name = hlo.OP_NAME.search(ins.attributes)
+                mean = fractions(op_name.group(1) if op_name else "", 0)
+                times = mean[0] if mean is not None else times
             for call in _called(ins, "body", "condition"):  # the condition runs as often
                 cost.add(computation_cost(call.callee), times)
             return cost
@@ -192,28 +202,31 @@ def executed_cost(program, fractions: Fractions | None = None, *,
 
 
 def table_fractions(plan) -> Fractions:
-    """How often the runtime's conditionals take each branch, from its :class:`RuntimePlan`.
+    """How often the runtime's guarded loops run and its conditionals take each branch, from
+    its :class:`RuntimePlan`.
 
-    The switch (``pp_switch``: idle, ``F``, ``B``, ``W``) takes each branch as often as the
-    table has cells of that kind; a flag's ``lax.cond`` inside a branch (``pp_first``,
-    ``pp_last``, ``pp_remat``) as often as the cells of that kind carry the flag. Any other
-    conditional counts as its most expensive branch.
+    The guard of each kind of action (``pp_F``, ``pp_B``, ``pp_W``: a ``while`` of 0 or 1
+    trips) runs as often as the table has cells of that kind; a flag's ``lax.cond`` or guard
+    inside one (``pp_first``, ``pp_last``, ``pp_remat``) as often as the cells of that kind
+    carry the flag. Any other conditional counts as its most expensive branch, any other
+    loop of unknown trip count once.
     """
     kind = plan.kind
     cells = kind.size
-    branch_of = re.compile(r"pp_switch/.*?branch_(\d)_fun/.*pp_(first|last|remat)\b")
 
     def fractions(op_name: str, branches: int) -> list[float] | None:
-        flag = branch_of.search(op_name)
+        flag = PIPELINE_FLAG.search(op_name)
         if flag:
-            k, name = int(flag.group(1)), flag.group(2)
-            among = kind == k
+            among = kind == KIND_CODES[flag.group(1)]
             if not among.any():
                 return None
-            share = float(getattr(plan, name)[among].mean())
-            return [1 - share, share]  # lax.cond: branch 0 is the false one
-        if "pp_switch" in op_name and branches == 4:
-            return [float((kind == k).sum()) / cells for k in range(4)]
+            share = float(getattr(plan, flag.group(2))[among].mean())
+            if flag.group(3) == "while":
+                return [share] if branches == 0 else None
+            return [1 - share, share] if branches == 2 else None  # the false branch first
+        action = PIPELINE_GUARD.search(op_name)
+        if action and branches == 0:
+            return [float((kind == KIND_CODES[action.group(1)]).sum()) / cells]
         return None
 
     return fractions

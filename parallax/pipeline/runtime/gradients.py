@@ -40,8 +40,8 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule
 
     With ``state`` (the module's non-parameter state; ``rebuild(params, state)`` then
     builds the module) and ``run`` (how it flows, :mod:`parallax.pipeline.module_state`),
-    ``(loss, grads, state_after)``. With ``trace``, also the action codes each stage's
-    switch ran at each tick, ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what
+    ``(loss, grads, state_after)``. With ``trace``, also the action codes each stage
+    ran at each tick, ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what
     executed, to compare with ``Schedule.as_arrays().kind``.
     """
     prog, sched, layout, mode, policy = _prepare(

@@ -7,9 +7,8 @@ inbox too (the last virtual stage's ``F`` sends it to itself), so every ``B`` re
 gradient from the inbox. The runtime keeps three more rings whose slots this module assigns
 from the same table (lowest free slot first, as :mod:`parallax.pipeline.schedules.slots`
 does), so the schedule stays the single source of truth. Every ring has one spare row that
-takes the writes of ticks that write nothing to it: the runtime then writes each ring once
-per tick, outside its ``lax.switch`` (a buffer passed through a switch is copied by XLA,
-measured):
+takes the writes that go nowhere (an arrival when nothing meant for the stage was sent, a
+forward's stash when its ``B`` recomputes it):
 
 * ``stash``: what ``F`` keeps for ``B`` and ``W`` (the closure's residuals and the uses'
   operands, :mod:`parallax.pipeline.runtime.chunk`); ``F`` writes it (``B`` when the forward
@@ -25,8 +24,8 @@ measured):
   micro-batch's ``F`` started from, read by its ``B`` (a rematerialised forward, and
   ``first``'s backward, recompute from it; :mod:`parallax.pipeline.runtime.stage_state`).
 
-Each kind of action is one branch of a ``lax.switch``; three flags per cell say what else
-the action does: whether it runs on virtual stage 0 (``first`` runs there), on the last
+Each kind of action runs in its own guarded loop; three flags per cell say what else the
+action does: whether it runs on virtual stage 0 (``first`` runs there), on the last
 virtual stage (``last`` runs there) and whether its forward is rematerialised.
 """
 
@@ -48,7 +47,7 @@ SNAPSHOTS = "snapshots"  # threaded module state: the state each micro-batch's F
 class RuntimePlan(NamedTuple):
     """Per-tick, per-stage indices the runtime reads (int32 ``[ticks, stages]``, -1 = none)."""
 
-    kind: np.ndarray  # 0 idle, 1 F, 2 B, 3 W (as Schedule.as_arrays): the switch's branch
+    kind: np.ndarray  # 0 idle, 1 F, 2 B, 3 W (as Schedule.as_arrays): the guard that runs
     first: np.ndarray  # F, B on virtual stage 0
     last: np.ndarray  # F, B on the last virtual stage
     remat: np.ndarray  # F, B of a rematerialised micro-batch
@@ -63,18 +62,14 @@ class RuntimePlan(NamedTuple):
     def table(self) -> dict:
         """The ``[T, S]`` arrays the tick loop scans over (reads clamped to slot 0).
 
-        ``store_<ring>[t]`` is where what the action of tick ``t - 1`` wrote goes: the
-        runtime stores it at the start of tick ``t``, before the switch, so that the switch
-        can read the rings in place (a ring written after the switch that reads it is copied
-        by XLA, measured). A slot is written at ``t`` and read from ``t + 1``, so storing it
-        one tick later is always in time, and never over a slot still to be read.
+        ``store_<ring>[t]`` is the slot the action of tick ``t`` writes, or the spare row
+        (``capacity``) where it writes none there; ``arrive_<channel>[t]`` the inbox slot
+        for what arrived from the last tick on that channel, or the spare row.
         """
         table = {name: getattr(self, name) for name in (
             "kind", "first", "last", "remat", "microbatch", "chunk")}
         table |= {f"read_{name}": np.maximum(slot, 0) for name, slot in self.slots.items()}
-        for name, slot in self.writes.items():
-            spare = np.full((1, slot.shape[1]), self.capacity[name], slot.dtype)
-            table[f"store_{name}"] = np.concatenate([spare, slot[:-1]])
+        table |= {f"store_{name}": slot for name, slot in self.writes.items()}
         return table | {f"arrive_{name}": slot for name, slot in self.arrive.items()}
 
 
@@ -177,8 +172,7 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
             per_stage.append(used)
         capacity[name] = max(per_stage, default=0)
     capacity["inbox"] = int(arrays.inbox_capacity.max(initial=0))
-    # Every ring has one spare row, ``capacity``: a tick that writes nothing to a ring writes
-    # there, so the runtime writes every ring every tick, outside the switch.
+    # Every ring has one spare row, ``capacity``: a write that goes nowhere goes there.
     writes = {name: np.where(written[name], slots[name], capacity[name]).astype(np.int32)
               for name in rings}
     arrive = {channel: np.where(a >= 0, a, capacity["inbox"]).astype(np.int32)

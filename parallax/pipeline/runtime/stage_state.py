@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from parallax import rng
-from parallax.pipeline.schedules.action import KIND_CODES, Action
+from parallax.pipeline.schedules.action import Action
 from parallax.rng import Position
 
 
@@ -196,23 +196,21 @@ def check_order(sched, api: str) -> None:
                     "needs them in order: use a schedule that keeps it (1f1b, gpipe)")
 
 
-def update(state: dict, out, cell, carried: Carried) -> dict:
-    """The carried state after a tick: ``F``'s new state where the action was an ``F``."""
+def update(state: dict, new: list, others_new: list, cell, carried: Carried) -> dict:
+    """The carried state after an ``F`` (inside its guard): ``new`` is the chunk's state
+    after it (``[L_c, ...]`` per leaf, raw), ``others_new`` ``first`` / ``last``'s."""
     carrier = carried.carrier
-    is_f = cell["kind"] == KIND_CODES["F"]
     chunk = cell["chunk"]
     if carrier.threaded:
-        state["s_live"] = [_put(live, jnp.where(is_f, new, _at(live, chunk)), chunk)
-                           for live, new in zip(state["s_live"], out.state)]
-        state["o_live"] = [jnp.where(is_f, new, live)
-                           for live, new in zip(state["o_live"], out.others_state)]
+        state["s_live"] = [_put(live, x, chunk) for live, x in zip(state["s_live"], new)]
+        state["o_live"] = list(others_new)
         return state
-    state["s_acc"] = [_put(acc, _add(_at(acc, chunk), new, is_f), chunk)
-                      for acc, new in zip(state["s_acc"], out.state)]
-    took = [is_f & ((cell["first"] > 0) & f | (cell["last"] > 0) & t)
+    state["s_acc"] = [_put(acc, _add(_at(acc, chunk), x, True), chunk)
+                      for acc, x in zip(state["s_acc"], new)]
+    took = [(cell["first"] > 0) & f | (cell["last"] > 0) & t
             for f, t in zip(carried.first_writes, carried.last_writes)]
-    state["o_acc"] = [_add(acc, new, on) for acc, new, on in
-                      zip(state["o_acc"], out.others_state, took)]
+    state["o_acc"] = [_add(acc, x, on) for acc, x, on in
+                      zip(state["o_acc"], others_new, took)]
     return state
 
 

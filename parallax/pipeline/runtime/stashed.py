@@ -41,22 +41,21 @@ class Versions(NamedTuple):
     others_state: list
 
 
-def update_chunk(opt: PartOptimizer, live: list, state: list, grads: list, chunk, is_w):
-    """After a tick: on a ``W`` tick, the chunk's latest weights and state take the update.
+def update_chunk(opt: PartOptimizer, live: list, state: list, grads: list, chunk):
+    """A ``W``'s update: the chunk's latest weights and optimizer state take ``grads``.
 
     ``live`` leaves are ``[v, slots, ...]``; mirrored state leaves too; the others (scalars)
-    are per stage. Computed every tick (elementwise over one chunk) and kept where ``is_w``.
+    are per stage. Runs inside the ``W`` action's guarded loop, in place.
     """
     take = lambda x: lax.dynamic_index_in_dim(x, chunk, keepdims=False)  # noqa: E731
     params = [take(p) for p in live]
     chunk_state = [take(x) if m else x for x, m in zip(state, opt.mirrors)]
     new_params, new_state = opt.update(params, [g.astype(p.dtype) for g, p in
                                                 zip(grads, params)], chunk_state)
-    keep = lambda new, old: jnp.where(is_w, new.astype(old.dtype), old)  # noqa: E731
-    live = [lax.dynamic_update_index_in_dim(p, keep(n, o), chunk, 0)
-            for p, n, o in zip(live, new_params, params)]
-    state = [lax.dynamic_update_index_in_dim(x, keep(n, o), chunk, 0) if m else keep(n, x)
-             for x, n, o, m in zip(state, new_state, chunk_state, opt.mirrors)]
+    live = [lax.dynamic_update_index_in_dim(p, n.astype(p.dtype), chunk, 0)
+            for p, n in zip(live, new_params)]
+    state = [lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), chunk, 0) if m
+             else n.astype(x.dtype) for x, n, m in zip(state, new_state, opt.mirrors)]
     return live, state
 
 

@@ -5,16 +5,20 @@ tensor axes stay with GSPMD inside the stage bodies), every tick each stage
 
 1. stores what arrived into its inbox, at the slots the plan gives: what the previous stage
    sent last tick, what the next stage sent, and what it kept for itself (the placement
-   says which channel each value takes; the loss's gradient comes by the last);
-2. reads its action from the table (indexed by ``axis_index``) and ``lax.switch``-es to
-   it: ``F``, ``B``, ``W`` (:mod:`parallax.pipeline.runtime.chunk`) or idle. The branch
-   reads the slots it needs from the rings, which enter the switch read-only and are
-   written only before it: what a branch writes is stored at the start of the next tick
-   (XLA copies a buffer that a switch returns, or that is written after a switch reads
-   it, on every tick: measured);
-3. sends the branch's payload to both neighbours with one ``ppermute`` each (one when there
-   are two stages, none with one), outside the switch, so the collectives are the same on
-   every stage and every tick, and keeps it for itself.
+   says which channel each value takes; the loss's gradient comes by the last), or in the
+   inbox's spare row where nothing meant for it arrived;
+2. reads its action from the table (indexed by ``axis_index``) and runs it in place: one
+   guarded loop per kind, ``F``, ``B``, ``W`` (:mod:`parallax.pipeline.runtime.actions`),
+   each a ``lax.while_loop`` of one trip where the cell is of its kind and none elsewhere,
+   which writes its ring slots, accumulators and payload straight into the carried
+   buffers. An idle tick runs none and touches no buffer. (A ``lax.switch`` over the
+   actions made XLA copy a buffer that it returned, or that it read and was written in
+   the same tick: so every tick stored a stash slot and added gradient deltas, zeros
+   unless its action made them; measured 3.2x the sequential program's bytes, 2.0x now);
+3. sends its payload to both neighbours with one ``ppermute`` each (one when there are two
+   stages, none with one), outside the guards, so the collectives are the same on every
+   stage and every tick, and keeps it for itself. After an idle or ``W`` tick the payload
+   is the last one made again; the plan sends its arrivals to the spare rows.
 
 ``first`` runs inside the ``F`` of virtual stage 0; ``last`` and its gradient (the seed of the
 backward) inside the ``F`` of the last virtual stage; ``first``'s backward inside the ``B`` of
@@ -43,9 +47,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from parallax.pipeline.runtime import branches, layer_moves, stage_state, stashed
+from parallax.pipeline.runtime import actions, layer_moves, rings, stage_state, stashed
 from parallax.pipeline.runtime.chunk import Chunk, template
 from parallax.pipeline.runtime.plan import RuntimePlan, runtime_plan
+from parallax.pipeline.schedules.action import KIND_CODES
 from parallax.pipeline.schedules.table import Schedule
 from parallax.pipeline.stages import Program
 from parallax.vma import to_varying, varying_axes
@@ -87,8 +92,8 @@ def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, pol
       ``(loss, d_stacked, d_others)``, or with ``versions`` ``(loss, new_stacked,
       new_others, new_stacked_state, new_others_state)``; with ``run``, then the module
       state after the step, ``(stacked_state, others_state)``; plus the executed action codes
-      ``[ticks, stages]`` when ``trace`` (what each stage's switch ran at each tick: 0 idle,
-      1 F, 2 B, 3 W).
+      ``[ticks, stages]`` when ``trace`` (what each stage ran at each tick, from its guarded
+      loops' trip counts: 0 idle, 1 F, 2 B, 3 W).
     """
     M = sched.microbatches
     module = (stage_state.encode(prog.stacked_state), stage_state.encode(prog.others_state))
@@ -197,73 +202,47 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
     slot_mask = None if mask is None else jnp.asarray(mask)[s]
     keep = versions is not None  # weights="stashed"
     threaded = carrier is not None and carrier.threaded
-    slots = branches.slot_shapes(x_like, tmpl, stacked[0].shape[1], stacked, keep, s_live,
-                                 o_live, threaded)
-    state = branches.initial_state(plan.capacity, slots, stacked, others, vary,
-                                   M if keep else None)
+    slots = rings.slot_shapes(x_like, tmpl, stacked[0].shape[1], stacked, keep, s_live,
+                              o_live, threaded)
+    state = rings.initial_state(plan.capacity, slots, stacked, others, vary,
+                                M if keep else None)
     if keep:
         state["live"], state["opt"] = list(stacked), list(opt)
     if carrier is not None:
         state |= stage_state.initial(s_live, o_live, threaded, vary)
-    fns = branches.branches(plan, prog, chunk, stacked, others, M, slots, vary, keep, carrier)
+    bodies = actions.actions(plan, prog, chunk, stacked, others, micro, slot_mask, vary,
+                             versions.stacked if keep else None, carried)
     up = [(i, (i + 1) % S) for i in range(S)]
     down = [(i, (i - 1) % S) for i in range(S)]
 
-    written = (("stash", "inputs", "uses") + (("versions",) if keep else ())
-               + (("snapshots",) if threaded else ()))
-
     def tick(carry, row):
-        state, from_below, from_above, kept, pending = carry
+        state, from_below, from_above = carry
         cell = {name: vary(row[name][s]) for name in row}
         state = dict(state)
-        # 1. what the last tick's action wrote, and what arrived, go to their slots (or to
-        #    the spare rows), all before the switch, which then reads the rings in place
-        for name in written:
-            state[name] = branches.write(state[name], cell[f"store_{name}"], pending[name])
-        for channel, value in (("up", from_below), ("down", from_above), ("local", kept)):
-            state["inbox"] = branches.write(state["inbox"], cell[f"arrive_{channel}"], value)
-        # 2. the action; its branch reads only the slots it needs
-        latest = state["live"] if keep else stacked
-        got = {"params": [lax.dynamic_index_in_dim(p, cell["chunk"], keepdims=False)
-                          for p in latest],
-               "batch": branches.read(micro, cell["microbatch"]),
-               "mask": (None if slot_mask is None else
-                        lax.dynamic_index_in_dim(slot_mask, cell["chunk"], keepdims=False)),
-               "state": [lax.dynamic_index_in_dim(x, cell["chunk"], keepdims=False)
-                         for x in state.get("s_live", [])],
-               "others_state": state.get("o_live", [])}
-        rings = {name: state[name] for name in branches.RINGS + ("versions",)}
-        with jax.named_scope("pp_switch"):
-            out = lax.switch(cell["kind"], fns, cell, got, rings)
-        pending = {name: getattr(out, name) for name in written}
-        if keep:  # PipeDream: each W applies its micro-batch's update to the latest weights
-            state["live"], state["opt"] = stashed.update_chunk(
-                versions.stacked, state["live"], state["opt"], out.d_chunk, cell["chunk"],
-                cell["kind"] == 3)
-            state["d_others"] = stashed.add_at(state["d_others"], cell["microbatch"],
-                                               out.d_others)
-        else:
-            state["d_stacked"] = [_accumulate(acc, d, cell["chunk"])
-                                  for acc, d in zip(state["d_stacked"], out.d_chunk)]
-            state["d_others"] = [acc + d for acc, d in zip(state["d_others"], out.d_others)]
-        state["loss"] = state["loss"] + out.loss
-        if carrier is not None:
-            state = stage_state.update(state, out, cell, carried)
+        # 1. what arrived goes to its inbox slot (or to the spare row): from the previous
+        #    stage, the next, and what this stage kept (its payload, unchanged by an idle or
+        #    W tick, whose arrival the plan sends to the spare row)
+        for channel, value in (("up", from_below), ("down", from_above),
+                               ("local", state["payload"])):
+            state["inbox"] = rings.write(state["inbox"], cell[f"arrive_{channel}"], value)
+        # 2. the action, in place: one guarded loop per kind, of which at most one runs
+        code = vary(jnp.int32(0))
+        for kind in ("F", "B", "W"):
+            trips, state = actions.guard(kind, cell["kind"] == KIND_CODES[kind], bodies[kind],
+                                         state, vary, cell)
+            code = code + KIND_CODES[kind] * trips
         # 3. send, the same collectives on every stage and every tick
-        payload = out.payload
+        payload = state["payload"]
         if S > 2:
             sent_up, sent_down = lax.ppermute(payload, axis, up), lax.ppermute(payload, axis, down)
         elif S == 2:  # both neighbours are the other stage: one permute serves both ways
             sent_up = sent_down = lax.ppermute(payload, axis, up)
         else:
             sent_up = sent_down = payload
-        return (state, sent_up, sent_down, payload, pending), out.code
+        return (state, sent_up, sent_down), code
 
-    zeros = lambda like: jax.tree.map(  # noqa: E731
-        lambda a: vary(jnp.zeros(a.shape, a.dtype)), like)
-    x0 = zeros(slots["inbox"])
-    nothing = {name: zeros(slots[name]) for name in written}
-    (state, *_), codes = lax.scan(tick, (state, x0, x0, x0, nothing), table)
+    x0 = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), slots["inbox"])
+    (state, *_), codes = lax.scan(tick, (state, x0, x0), table)
     loss = lax.psum(state["loss"], axis) / M
     d_others = [lax.psum(g, axis).astype(o.dtype) for g, o in zip(state["d_others"], others)]
     if keep:  # the new weights instead of gradients, and the optimizer's new state
@@ -274,14 +253,6 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
     if carrier is not None:
         out += (stage_state.finish(state, carried, axis),)
     return out + ((codes[:, None],) if trace else ())
-
-
-def _accumulate(acc, delta, chunk):
-    """``acc[chunk] += delta``; a plain add with one chunk (an update-slice copies ``acc``)."""
-    if acc.shape[0] == 1:
-        return acc + delta[None]
-    return lax.dynamic_update_index_in_dim(
-        acc, lax.dynamic_index_in_dim(acc, chunk, keepdims=False) + delta, chunk, 0)
 
 
 def stage_count(axis: str, mesh, api: str) -> int:

@@ -1,0 +1,97 @@
+"""The runtime's buffers: rings of slots and accumulators, carried by the tick loop.
+
+Every stage keeps rings of slots (``[capacity + 1, ...]``: the last row is a spare that
+takes the writes that go nowhere, such as an arrival when nothing was sent) and
+accumulators:
+
+================  =============================================  ============================
+``inbox``         ``[capacity + 1, *x]``                         activations and gradients
+                                                                 received (the loss's too)
+``stash``         per leaf ``[capacity + 1, L_c, ...]``          what F keeps for B and W
+``inputs``        ``[capacity + 1, *x]``                         inputs of rematerialised F
+``uses``          per use ``[capacity + 1, L_c, ...]``           gradients at uses, B -> W
+``versions``      per layer param ``[capacity + 1, L_c, ...]``   the weights F used
+                                                                 (``weights="stashed"``)
+``snapshots``     per state leaf ``[capacity + 1, ...]``         the state F started from,
+                                                                 for B (threaded state only)
+``payload``       ``*x``                                         what the stage sends (the
+                                                                 last F's or B's)
+``d_stacked``     per layer param ``[v, L_c, ...]``              weight gradients (float32)
+``d_others``      per other param                                first/last gradients
+``loss``          scalar                                         sum of micro-batch losses
+================  =============================================  ============================
+
+The actions (:mod:`parallax.pipeline.runtime.actions`) read and write them in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+RINGS = ("inbox", "stash", "inputs", "uses", "versions", "snapshots")
+
+
+def wide(dtype):
+    """Accumulation dtype: float32 at least for floating values."""
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def slot_shapes(x_like, tmpl, lc: int, stacked: list, versions: bool,
+                stacked_state: list = (), others_state: list = (),
+                snapshots: bool = False) -> dict:
+    """The shape of one slot of each ring (``versions``: one chunk's weights), and of the
+    state an ``F`` leaves (``stacked_state``: ``[v, L_c, ...]`` raw leaves)."""
+    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x_like)
+    layers = lambda a: jax.ShapeDtypeStruct((lc, *a.shape), a.dtype)  # noqa: E731
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    state = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in stacked_state]
+    others = [like(o) for o in others_state]
+    return {"inbox": x, "inputs": x, "stash": [layers(a) for a in tmpl.stashed],
+            "uses": [layers(a) for a in tmpl.uses],
+            "versions": [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in stacked]
+            if versions else [],
+            "snapshots": ({"stacked": state, "others": others} if snapshots
+                          else {"stacked": [], "others": []}),
+            "state": state, "others_state": others}
+
+
+def initial_state(capacity: dict, slots: dict, stacked, others, vary,
+                  microbatches: int | None = None) -> dict:
+    """Zero rings (with their spare row), payload and accumulators, varying over the manual
+    axes.
+
+    With ``microbatches`` (``weights="stashed"``), the other parameters' gradients are
+    kept per micro-batch (``[M, ...]``) and the stacked ones not at all (each ``W`` applies
+    its own).
+    """
+    state = {name: jax.tree.map(lambda a, n=capacity.get(name, 0): vary(
+        jnp.zeros((n + 1, *a.shape), a.dtype)), slots[name]) for name in RINGS}
+    state["payload"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), slots["inbox"])
+    per = () if microbatches is None else (microbatches,)
+    state["d_stacked"] = ([vary(jnp.zeros(p.shape, wide(p.dtype))) for p in stacked]
+                          if microbatches is None else [])
+    state["d_others"] = [vary(jnp.zeros(per + o.shape, wide(o.dtype))) for o in others]
+    state["loss"] = vary(jnp.zeros((), jnp.float32))
+    return state
+
+
+def read(buf, slot):
+    """Slot ``slot`` of every leaf of a ring (clamped into range, so -1 reads slot 0)."""
+    return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, keepdims=False), buf)
+
+
+def write(buf, slot, value):
+    """A ring with ``value`` in slot ``slot``."""
+    return jax.tree.map(
+        lambda b, x: lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0), buf, value)
+
+
+def accumulate(acc, delta, chunk):
+    """``acc[chunk] += delta``; a plain add with one chunk."""
+    if acc.shape[0] == 1:
+        return acc + delta[None].astype(acc.dtype)
+    return lax.dynamic_update_index_in_dim(
+        acc, lax.dynamic_index_in_dim(acc, chunk, keepdims=False) + delta.astype(acc.dtype),
+        chunk, 0)

@@ -4,12 +4,14 @@ Each tick, every stage runs three guarded loops (:func:`guard`), one per kind of
 named (``jax.named_scope``) ``pp_F``, ``pp_B`` and ``pp_W``: a ``lax.while_loop`` whose trip
 count is 1 where the table's cell is of that kind and 0 elsewhere. Its body reads the slots
 it needs from the rings (:mod:`parallax.pipeline.runtime.rings`) and writes what it makes
-straight into the carried buffers: its ring slots at the tick's ``store_*`` slots, its
-gradients into the accumulators, the loss, the payload the tick sends (an ``F``'s
-activation, or on the last virtual stage the loss's gradient; a ``B``'s input gradient),
-and for an ``F`` the module state after it (:mod:`parallax.pipeline.runtime.stage_state`);
-with ``weights="stashed"`` a ``W`` applies its update to the latest weights
-(:mod:`parallax.pipeline.runtime.stashed`). XLA updates a loop's carried buffers in place,
+straight into the carried buffers: its ring slots at the tick's ``store_*`` slots (the
+per-layer rings, ``stash`` and ``uses``, go to the chunk's layer loop
+(:class:`parallax.pipeline.runtime.chunk.Chunk`), which reads and writes them at
+``[slot, layer]``, one layer at a time), its gradients into the accumulators, the loss,
+the payload the tick sends (an ``F``'s activation, or on the last virtual stage the loss's
+gradient; a ``B``'s input gradient), and for an ``F`` the module state after it
+(:mod:`parallax.pipeline.runtime.stage_state`); with ``weights="stashed"`` a ``W`` applies
+its update to the latest weights (:mod:`parallax.pipeline.runtime.stashed`). XLA updates a loop's carried buffers in place,
 so a tick that does not run an action touches none of its buffers; a ``lax.switch`` over
 the actions instead copied a buffer it returned, or read and saw written in the same tick
 (measured), which made every tick materialise zero slots and store a whole stash slot.
@@ -140,8 +142,8 @@ def actions(plan, prog, chunk, stacked, others, micro, slot_mask, vary, optimize
                          lambda: (received, o_raw))
         s_in = layer_in(s_raw, m)
         if mix("F", "remat")[1]:  # some forwards keep what B and W need
-            y, stash, s_new = chunk.forward_stash(params, x, mask_of(cell), s_in)
-            st["stash"] = write(st["stash"], cell["store_stash"], stash)
+            y, st["stash"], s_new = chunk.forward_stash(params, x, st["stash"],
+                                                        cell["store_stash"], mask_of(cell), s_in)
         else:
             y, s_new = chunk.forward(params, x, mask_of(cell), s_in)
         if mix("F", "remat")[0]:  # some forwards are recomputed by their B from the input
@@ -191,15 +193,15 @@ def actions(plan, prog, chunk, stacked, others, micro, slot_mask, vary, optimize
             # that W reads too. It starts from the state its F started from; the state it
             # leaves is dropped.
             st = dict(st)
-            stash = chunk.forward_stash(params, read(st["inputs"], cell["read_inputs"]), mask,
-                                        layer_in(start["stacked"], m))[1]
-            st["stash"] = write(st["stash"], cell["store_stash"], stash)
+            st["stash"] = chunk.forward_stash(
+                params, read(st["inputs"], cell["read_inputs"]), st["stash"],
+                cell["store_stash"], mask, layer_in(start["stacked"], m))[1]
             return st
 
         st = _guard_when("remat", cell["remat"], mix("B", "remat"), recompute, st, vary, cell)
-        dx, uses = chunk.backward_input(params, read(st["stash"], cell["read_stash"]),
-                                        read(st["inbox"], cell["read_inbox"]), mask)
-        st["uses"] = write(st["uses"], cell["store_uses"], uses)
+        dx, st["uses"] = chunk.backward_input(
+            params, st["stash"], cell["read_stash"], read(st["inbox"], cell["read_inbox"]),
+            st["uses"], cell["store_uses"], mask)
         st["payload"] = dx
 
         def first_backward():
@@ -215,8 +217,8 @@ def actions(plan, prog, chunk, stacked, others, micro, slot_mask, vary, optimize
 
     def backward_weights(cell, st):
         st = dict(st)
-        grads = chunk.backward_weights(weights(cell, st), read(st["stash"], cell["read_stash"]),
-                                       read(st["uses"], cell["read_uses"]), mask_of(cell))
+        grads = chunk.backward_weights(weights(cell, st), st["stash"], cell["read_stash"],
+                                       st["uses"], cell["read_uses"], mask_of(cell))
         grads = [g.astype(wide(g.dtype)) for g in grads]
         if versions:  # PipeDream: each W applies its micro-batch's update to the latest weights
             st["live"], st["opt"] = stashed.update_chunk(optimizer, st["live"], st["opt"], grads,

@@ -14,7 +14,8 @@ few per-instruction rules it approximates (tested).
 
 The model of one instruction: FLOPs ``2 * output * contraction`` for ``dot``, one per output
 element for elementwise arithmetic; bytes accessed = operands read + output written, where a
-fusion parameter read only through slices counts the slices, an in-place
+fusion parameter read only as the sliced operand of slices counts the slices (a start
+index is read whole, however many slices it indexes), an in-place
 ``dynamic-update-slice`` counts its update, and tuples, bitcasts and control flow count
 nothing themselves.
 """
@@ -267,8 +268,8 @@ def _fusion_bytes(ins: _Instruction, body: list[_Instruction]) -> float:
         if i.opcode == "parameter":
             number = re.match(r"\s*(\d+)", i.args)
             index_of[i.name] = int(number.group(1)) if number else -1
-        for _, operand in i.operands:
-            users.setdefault(operand, []).append(i)
+        for k, (_, operand) in enumerate(i.operands):
+            users.setdefault(operand, []).append((i, k))
     read = [0.0] * len(ins.operands)
     in_place = None
     root = next((i for i in body if i.root), None)
@@ -279,10 +280,11 @@ def _fusion_bytes(ins: _Instruction, body: list[_Instruction]) -> float:
             continue
         uses = users.get(pname, [])
         full = _bytes(ins.operands[number][0])
-        if pname == in_place and all(u is root for u in uses):
+        # only the sliced operand (operand 0) is read in part: a start index is read whole
+        if pname == in_place and all(u is root and k == 0 for u, k in uses):
             read[number] = 0.0
-        elif uses and all(u.opcode in _SLICES for u in uses):
-            read[number] = float(sum(_bytes(u.result) for u in uses))
+        elif uses and all(u.opcode in _SLICES and k == 0 for u, k in uses):
+            read[number] = float(sum(_bytes(u.result) for u, _ in uses))
         else:
             read[number] = float(full)
     written = float(_bytes(ins.result))

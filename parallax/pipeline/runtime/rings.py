@@ -21,7 +21,9 @@ accumulators:
 ``loss``          scalar                                         sum of micro-batch losses
 ================  =============================================  ============================
 
-The actions (:mod:`parallax.pipeline.runtime.actions`) read and write them in place.
+The actions (:mod:`parallax.pipeline.runtime.actions`) read and write them in place; the
+per-layer rings (``stash``, ``uses``) one layer at a time, at ``[slot, layer]``, from inside
+the chunk's layer loops (:func:`read_layer`, :func:`write_layer`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,21 @@ def write(buf, slot, value):
     """A ring with ``value`` in slot ``slot``."""
     return jax.tree.map(
         lambda b, x: lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0), buf, value)
+
+
+def read_layer(buf, slot, layer) -> list:
+    """``[slot, layer]`` of every leaf of a per-layer ring (``[capacity + 1, L_c, ...]``):
+    one dynamic slice of one layer's values each, not of the whole slot."""
+    return [lax.dynamic_slice(b, (slot, layer) + (0,) * (b.ndim - 2),
+                              (1, 1, *b.shape[2:])).reshape(b.shape[2:]) for b in buf]
+
+
+def write_layer(buf, slot, layer, values) -> list:
+    """A per-layer ring with ``values`` (one layer's, per leaf) at ``[slot, layer]``, written
+    in place where the ring is a loop's carried buffer."""
+    return [lax.dynamic_update_slice(b, v.astype(b.dtype).reshape(1, 1, *b.shape[2:]),
+                                     (slot, layer) + (0,) * (b.ndim - 2))
+            for b, v in zip(buf, values)]
 
 
 def accumulate(acc, delta, chunk):

@@ -63,6 +63,8 @@ def test_the_pipeline_computes_what_the_sequential_model_computes():
     seq = executed_cost(sequential)
     run = executed_cost(pipelined, table_fractions(runtime_plan(sched, "never")))
     assert 0.99 <= sched.stages * run.flops / seq.flops <= 1.03
-    # bytes: each action writes its slots and accumulators in place, and a tick that runs
-    # none touches no buffer (2.0x measured; 3.2x while every tick stored a stash slot)
-    assert sched.stages * run.bytes / seq.bytes < 2.3
+    # bytes: each action writes its slots and accumulators in place, each layer of its
+    # layer loop reads and writes its ring slots at [slot, layer], and a tick that runs
+    # none touches no buffer (1.27x measured; 2.0x while the layer loop built its stash in
+    # a buffer of its own; 3.2x while every tick stored a stash slot)
+    assert sched.stages * run.bytes / seq.bytes < 1.35

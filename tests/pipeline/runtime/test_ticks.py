@@ -183,14 +183,17 @@ def test_zero_bubble_schedules_keep_use_gradients_until_their_w():
     assert runtime_plan(pp.schedule("zb_h2", 4, 8)).capacity["uses"] == 7
 
 
-def test_the_tick_loop_copies_no_ring():
-    """Each action writes its rings in place: inside the tick loop no ``copy`` is as large
-    as a ring (the rings are copied once, when they are made). A ``lax.switch`` returning
-    a slot, or reading a ring written later in the tick, made XLA copy rings every tick."""
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_the_tick_loop_copies_no_ring(remat):
+    """Each action writes its rings in place, and so does each layer of its layer loop
+    (``F`` and a rematerialised ``B`` write the stash at ``[slot, layer]``, ``B`` the use
+    gradients): inside the tick loop no ``copy`` is as large as a ring (the rings are
+    copied once, when they are made). A ``lax.switch`` returning a slot, or reading a ring
+    written later in the tick, made XLA copy rings every tick."""
     from parallax.analysis import hlo
 
     sched = pp.schedule("1f1b", 4, 8)
-    program = compiled(pp.value_and_grad(TOY, sched, remat="never"), 4, toy_params(8),
+    program = compiled(pp.value_and_grad(TOY, sched, remat=remat), 4, toy_params(8),
                        toy_batch())
     blocks = hlo.computations(program.as_text())
     entry = hlo.entry_name(program.as_text())
@@ -209,7 +212,8 @@ def test_the_tick_loop_copies_no_ring():
 
     copies = [elements(line) for name in inside for line in blocks[name]
               if re.search(r"\scopy\(", line)]
-    ring = (runtime_plan(sched).capacity["stash"] + 1) * 2 * 4 * D  # [slots, layers, rows, D]
+    # [slots, layers, rows, D]
+    ring = (runtime_plan(sched, remat).capacity["stash"] + 1) * 2 * 4 * D
     ring_copies = [line for line in blocks[entry] if re.search(r"\scopy\(", line)
                    and elements(line) == ring]
     assert ring_copies  # the check below would see a ring copy: made in the entry

@@ -156,8 +156,8 @@ def program_optimizer():
     tx = hvd.DistributedOptimizer(optax.adam(0.1), algorithm="tree", fusion_bytes=8)
 
     @hvd.jit
-    def step(w, state, xb, yb):
-        updates, state = tx.update(jax.grad(loss)(w, xb, yb), state, w)
+    def step(w, state, batch):  # batch (the last argument): this device's rows
+        updates, state = tx.update(jax.grad(loss)(w, batch["x"], batch["y"]), state, w)
         return optax.apply_updates(w, updates), state
 
     w_ref = w = jnp.zeros((3, 1))
@@ -166,7 +166,7 @@ def program_optimizer():
     for _ in range(3):
         updates, ref_state = ref_tx.update(jax.grad(loss)(w_ref, x, y), ref_state)
         w_ref = optax.apply_updates(w_ref, updates)
-        w, state = step(w, state, x[rows], y[rows])
+        w, state = step(w, state, {"x": x[rows], "y": y[rows]})
     check("DistributedOptimizer tree sum in @hvd.jit", w, w_ref, rtol=1e-6)
 
 

@@ -161,12 +161,12 @@ def main(argv=None) -> int:
     print(f"\n{what}; {p} stages, {m} micro-batches of {args.batch // m}, remat={args.remat!r}; "
           f"sequential step: {seq_cost.flops / 1e9:.2f} GFLOP, {seq_cost.bytes / 1e9:.2f} GB")
     head = (f"{'schedule':<16}{'ticks':>6}{'bubble':>8}{'temp MB':>9}{'permute MB':>12}"
-            f"{'all-reduce MB':>15}{'flops':>7}{'bytes':>7}{'time':>7}")
+            f"{'all-reduce MB':>15}{'flops':>7}{'bytes':>7}{'time':>7}")  # flops, bytes: 3 places
     print(head)
     print("-" * len(head))
     seq_temp = hlo.memory(sequential).temp_bytes / 1e6
-    print(f"{'sequential':<16}{'':>6}{'':>8}{seq_temp:>9.2f}{0:>12.2f}{0:>15.2f}{1:>7.2f}"
-          f"{1:>7.2f}{1:>7.2f}")
+    print(f"{'sequential':<16}{'':>6}{'':>8}{seq_temp:>9.2f}{0:>12.2f}{0:>15.2f}{1:>7.3f}"
+          f"{1:>7.3f}{1:>7.2f}")
     remat_plan = args.remat if args.remat in ("always", "except_last") else "never"
     for name, c in compiled.items():
         found = hlo.collectives(c, mesh)
@@ -181,8 +181,8 @@ def main(argv=None) -> int:
         print(f"{name:<16}{ticks:>6}{bubble:>8}{hlo.memory(c).temp_bytes / 1e6:>9.2f}"
               f"{permuted / 1e6:>12.2f}"
               f"{hlo.total_bytes(found, 'all-reduce') / 1e6:>15.2f}"
-              f"{p * cost.flops / seq_cost.flops:>7.2f}"
-              f"{p * cost.bytes / (seq_cost.bytes + p * permuted):>7.2f}"
+              f"{p * cost.flops / seq_cost.flops:>7.3f}"
+              f"{p * cost.bytes / (seq_cost.bytes + p * permuted):>7.3f}"
               f"{statistics.median(times[name]) / base:>7.2f}")
     print("\nticks, bubble: read from each schedule's table (f=1, b=2, so F = B = W = 1).")
     if "gpipe autodiff" in compiled:

@@ -40,10 +40,11 @@ _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 
 # The pipeline runtime (parallax.pipeline.runtime.actions) names its control flow in the
 # op_name metadata: each tick runs one guarded ``while`` (0 or 1 trips) per kind of action,
-# ``pp_F``, ``pp_B``, ``pp_W``; inside them a flag is a ``lax.cond`` (``pp_first``,
+# ``pp_F``, ``pp_B``, ``pp_W``, and ``pp_BW`` (a backward that runs its W too); inside them a flag is a ``lax.cond`` (``pp_first``,
 # ``pp_last``) or, for a rematerialised backward, a guarded ``while`` (``pp_remat``).
-PIPELINE_GUARD = re.compile(r"pp_([FBW])/while$")
-PIPELINE_FLAG = re.compile(r"pp_([FBW])/while/body/(?:.*/)?pp_(first|last|remat)/(cond|while)$")
+PIPELINE_GUARD = re.compile(r"pp_(F|B|W|BW)/while$")
+PIPELINE_FLAG = re.compile(
+    r"pp_(F|B|W|BW)/while/body/(?:.*/)?pp_(first|last|remat)/(cond|while)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +52,9 @@ class PipelineBranches:
     """How often the pipeline runtime's guarded actions run, per device, from its shape.
 
     The runtime scans over the schedule's ticks; each tick every stage runs at most one of
-    its guarded loops (forward, input-gradient backward, weight-gradient backward), and
-    every stage runs ``microbatches x virtual_stages`` actions of each kind. Inside the
+    its guarded loops (forward, input-gradient backward, weight-gradient backward, or where
+    the schedule does not split the backward one backward doing both), and every stage
+    runs ``microbatches x virtual_stages`` actions of each kind. Inside the
     forward and the backward, "first virtual stage" (the embedding) and "last virtual
     stage" (head and loss) hold for ``1 / (stages x virtual_stages)`` of them on average
     over the stages; inside the input-gradient backward, "rematerialised" (the forward
@@ -70,11 +72,13 @@ class PipelineBranches:
     microbatches: int
     virtual_stages: int
     remat_fraction: float
+    fused: bool = False  # the schedule does not split the backward: B runs its W (BW)
 
-    def kinds(self) -> list[float]:
-        """Per-tick shares of idle, F, B and W."""
+    def share(self, kind: str) -> float:
+        """The share of ticks in which a stage runs ``kind`` (F, B, W or BW)."""
         runs = self.microbatches * self.virtual_stages
-        return [(self.ticks - 3 * runs) / self.ticks] + [runs / self.ticks] * 3
+        ran = {"F": True, "B": not self.fused, "W": not self.fused, "BW": self.fused}[kind]
+        return runs / self.ticks if ran else 0.0
 
     def __call__(self, op_name: str, branches: int) -> list[float] | None:
         flag = PIPELINE_FLAG.search(op_name)
@@ -86,7 +90,7 @@ class PipelineBranches:
             return [1 - true, true] if branches == 2 else None
         guard = PIPELINE_GUARD.search(op_name)
         if guard and branches == 0:
-            return [self.kinds()["_FBW".index(guard.group(1))]]
+            return [self.share(guard.group(1))]
         return None
 
 

@@ -44,7 +44,8 @@ class PipelineSetting:
 
     def branches(self) -> PipelineBranches:
         return PipelineBranches(self.schedule.ticks, self.stages, self.microbatches,
-                                self.virtual_stages, self.remat_fraction)
+                                self.virtual_stages, self.remat_fraction,
+                                fused=not self.schedule.split_backward)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -143,8 +143,9 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_co
 
 def guard_dots(compiled_program) -> list[dict]:
     """For each tick loop (a ``while`` whose body holds the runtime's guarded loops ``pp_F``,
-    ``pp_B``, ``pp_W``), the number of ``dot`` instructions reachable from each guard's body
-    (``{"F": ..., "B": ..., "W": ...}``, a list where a kind has several guards) and from the
+    ``pp_B``, ``pp_W``, ``pp_BW``), the number of ``dot`` instructions reachable from each
+    guard's body (``{"F": ..., "B": ..., "W": ...}``, a list where a kind has several
+    guards) and from the
     tick body outside them (``"outside"``)."""
     blocks = hlo.computations(compiled_program.as_text())
 
@@ -154,7 +155,7 @@ def guard_dots(compiled_program) -> list[dict]:
                 yield from ([m.group(1)] if m.group(1) else re.findall(r"%([\w.\-]+)", m.group(2)))
 
     def guard_of(line):
-        m = re.search(r'\swhile\(.*op_name="[^"]*pp_([FBW])/while"', line)
+        m = re.search(r'\swhile\(.*op_name="[^"]*pp_(F|B|W|BW)/while"', line)
         return m and m.group(1)
 
     def dots(name, skip_guards=False):

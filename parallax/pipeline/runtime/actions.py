@@ -1,8 +1,10 @@
 """The runtime's actions, ``F``, ``B`` and ``W``, each run in place under a guard.
 
-Each tick, every stage runs three guarded loops (:func:`guard`), one per kind of action,
-named (``jax.named_scope``) ``pp_F``, ``pp_B`` and ``pp_W``: a ``lax.while_loop`` whose trip
-count is 1 where the table's cell is of that kind and 0 elsewhere. Its body reads the slots
+Each tick, every stage runs one guarded loop (:func:`guard`) per kind of action its plan
+has, named (``jax.named_scope``) ``pp_F``, ``pp_B``, ``pp_W`` and ``pp_BW`` (a backward
+the schedule does not split: ``B`` and its ``W`` in one layer loop, the stash read once):
+a ``lax.while_loop`` whose trip count is 1 where the plan's cell is of that kind and 0
+elsewhere. Its body reads the slots
 it needs from the rings (:mod:`parallax.pipeline.runtime.rings`) and writes what it makes
 straight into the carried buffers: its ring slots at the tick's ``store_*`` slots (the
 per-layer rings, ``stash`` and ``uses``, go to the chunk's layer loop
@@ -178,47 +180,7 @@ def actions(plan, prog, chunk, stacked, others, micro, slot_mask, vary, optimize
             st = stage_state.update(st, carrier.layer_out(s_new, s_raw), o_end, cell, carried)
         return st
 
-    def backward_input(cell, st):
-        st = dict(st)
-        m, c, mask = cell["microbatch"], cell["chunk"], mask_of(cell)
-        params = weights(cell, st)
-        if threaded:  # the state this micro-batch's F started from
-            start = read(st["snapshots"], cell["read_snapshots"])
-        else:
-            start = {"stacked": [at(x, c) for x in st.get("s_live", [])],
-                     "others": st.get("o_live", [])}
-
-        def recompute(cell, st):
-            # A rematerialised micro-batch recomputes its forward, once, into the stash slot
-            # that W reads too. It starts from the state its F started from; the state it
-            # leaves is dropped.
-            st = dict(st)
-            st["stash"] = chunk.forward_stash(
-                params, read(st["inputs"], cell["read_inputs"]), st["stash"],
-                cell["store_stash"], mask, layer_in(start["stacked"], m))[1]
-            return st
-
-        st = _guard_when("remat", cell["remat"], mix("B", "remat"), recompute, st, vary, cell)
-        dx, st["uses"] = chunk.backward_input(
-            params, st["stash"], cell["read_stash"], read(st["inbox"], cell["read_inbox"]),
-            st["uses"], cell["store_uses"], mask)
-        st["payload"] = dx
-
-        def first_backward():
-            o_in = others_in(start["others"], m)
-            _, pullback = jax.vjp(lambda o: prog.first(o, o_in, read(micro, m))[0], others)
-            return [vary(g.astype(wide(g.dtype))) for g in pullback(dx)[0]]
-
-        if mix("B", "first")[0]:
-            st["d_others"] = add_others(st, cell, _when(
-                "first", cell["first"], mix("B", "first"), first_backward,
-                lambda: zeros(others_like)))
-        return st
-
-    def backward_weights(cell, st):
-        st = dict(st)
-        grads = chunk.backward_weights(weights(cell, st), st["stash"], cell["read_stash"],
-                                       st["uses"], cell["read_uses"], mask_of(cell))
+    def apply_weights(st, cell, grads):  # W's gradients: accumulated, or applied (PipeDream)
         grads = [g.astype(wide(g.dtype)) for g in grads]
         if versions:  # PipeDream: each W applies its micro-batch's update to the latest weights
             st["live"], st["opt"] = stashed.update_chunk(optimizer, st["live"], st["opt"], grads,
@@ -228,4 +190,59 @@ def actions(plan, prog, chunk, stacked, others, micro, slot_mask, vary, optimize
                                for acc, d in zip(st["d_stacked"], grads)]
         return st
 
-    return {"F": forward, "B": backward_input, "W": backward_weights}
+    def backward(kind):
+        """``B``, or with ``kind="BW"`` a backward that also runs its ``W`` in the same
+        layer loop (schedules that do not split the backward): it reads each layer's stash
+        once and keeps no use gradients."""
+
+        def run(cell, st):
+            st = dict(st)
+            m, c, mask = cell["microbatch"], cell["chunk"], mask_of(cell)
+            params = weights(cell, st)
+            if threaded:  # the state this micro-batch's F started from
+                start = read(st["snapshots"], cell["read_snapshots"])
+            else:
+                start = {"stacked": [at(x, c) for x in st.get("s_live", [])],
+                         "others": st.get("o_live", [])}
+
+            def recompute(cell, st):
+                # A rematerialised micro-batch recomputes its forward, once, into the stash
+                # slot that W reads too. It starts from the state its F started from; the
+                # state it leaves is dropped.
+                st = dict(st)
+                st["stash"] = chunk.forward_stash(
+                    params, read(st["inputs"], cell["read_inputs"]), st["stash"],
+                    cell["store_stash"], mask, layer_in(start["stacked"], m))[1]
+                return st
+
+            st = _guard_when("remat", cell["remat"], mix(kind, "remat"), recompute, st, vary,
+                             cell)
+            dy = read(st["inbox"], cell["read_inbox"])
+            if kind == "BW":
+                dx, grads = chunk.backward_fused(params, st["stash"], cell["read_stash"], dy,
+                                                 mask)
+                st = apply_weights(st, cell, grads)
+            else:
+                dx, st["uses"] = chunk.backward_input(params, st["stash"], cell["read_stash"],
+                                                      dy, st["uses"], cell["store_uses"], mask)
+            st["payload"] = dx
+
+            def first_backward():
+                o_in = others_in(start["others"], m)
+                _, pullback = jax.vjp(lambda o: prog.first(o, o_in, read(micro, m))[0], others)
+                return [vary(g.astype(wide(g.dtype))) for g in pullback(dx)[0]]
+
+            if mix(kind, "first")[0]:
+                st["d_others"] = add_others(st, cell, _when(
+                    "first", cell["first"], mix(kind, "first"), first_backward,
+                    lambda: zeros(others_like)))
+            return st
+
+        return run
+
+    def backward_weights(cell, st):
+        grads = chunk.backward_weights(weights(cell, st), st["stash"], cell["read_stash"],
+                                       st["uses"], cell["read_uses"], mask_of(cell))
+        return apply_weights(dict(st), cell, grads)
+
+    return {"F": forward, "B": backward("B"), "W": backward_weights, "BW": backward("BW")}

@@ -239,6 +239,28 @@ class Chunk:
                                  reverse=True)
         return dx, uses
 
+    def backward_fused(self, params: list, stash: list, read_slot, dy, mask=None):
+        """``B`` and ``W`` in one layer loop (a backward the schedule does not split): the
+        chunk's input gradient and each layer's weight gradient ``[layers, ...]``, each
+        layer's stash read once from the ``stash`` ring at ``[read_slot, layer]`` and its use
+        gradients consumed where they are made."""
+        tmpl, n = self.tmpl, len(self.tmpl.residuals)
+
+        def real(p, kept, g):
+            dx, d_uses = self._pullback(p, kept)(g)
+            operands = tmpl.unstash(kept)[n:]
+            _, pullback = jax.vjp(lambda q: tmpl.split.uses(q, operands, self.vary), p)
+            d_uses = [self.vary(d) for d in d_uses]
+            grads = pullback([d_uses[k] for k in tmpl.split.gradient_of])[0]
+            return jax.tree.map(self.vary, dx), [self.vary(d) for d in grads]
+
+        def body(g, xs):
+            p, on, i = xs
+            kept = read_layer(stash, read_slot, i)
+            return self._slot(on, lambda: real(p, kept, g), lambda: (g, self._zeros(p)))
+
+        return lax.scan(body, dy, (params, mask, _layers(params)), reverse=True)
+
     def backward_weights(self, params: list, stash: list, stash_slot, uses: list, uses_slot,
                          mask=None):
         """``W``: each layer's weight gradient ``[layers, ...]`` from its uses' gradients,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from parallax.analysis import hlo
 from parallax.analysis.program import PIPELINE_FLAG, PIPELINE_GUARD
-from parallax.pipeline.schedules.action import KIND_CODES
+from parallax.pipeline.runtime.plan import RUNTIME_CODES
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|c64|c128|f8\w*)\[([\d,]*)\]")
@@ -206,8 +206,8 @@ def table_fractions(plan) -> Fractions:
     """How often the runtime's guarded loops run and its conditionals take each branch, from
     its :class:`RuntimePlan`.
 
-    The guard of each kind of action (``pp_F``, ``pp_B``, ``pp_W``: a ``while`` of 0 or 1
-    trips) runs as often as the table has cells of that kind; a flag's ``lax.cond`` or guard
+    The guard of each kind of action (``pp_F``, ``pp_B``, ``pp_W``, ``pp_BW``: a ``while``
+    of 0 or 1 trips) runs as often as the plan has cells of that kind; a flag's ``lax.cond`` or guard
     inside one (``pp_first``, ``pp_last``, ``pp_remat``) as often as the cells of that kind
     carry the flag. Any other conditional counts as its most expensive branch, any other
     loop of unknown trip count once.
@@ -218,7 +218,7 @@ def table_fractions(plan) -> Fractions:
     def fractions(op_name: str, branches: int) -> list[float] | None:
         flag = PIPELINE_FLAG.search(op_name)
         if flag:
-            among = kind == KIND_CODES[flag.group(1)]
+            among = kind == RUNTIME_CODES[flag.group(1)]
             if not among.any():
                 return None
             share = float(getattr(plan, flag.group(2))[among].mean())
@@ -227,7 +227,7 @@ def table_fractions(plan) -> Fractions:
             return [1 - share, share] if branches == 2 else None  # the false branch first
         action = PIPELINE_GUARD.search(op_name)
         if action and branches == 0:
-            return [float((kind == KIND_CODES[action.group(1)]).sum()) / cells]
+            return [float((kind == RUNTIME_CODES[action.group(1)]).sum()) / cells]
         return None
 
     return fractions

@@ -26,7 +26,10 @@ forward's stash when its ``B`` recomputes it):
 
 Each kind of action runs in its own guarded loop; three flags per cell say what else the
 action does: whether it runs on virtual stage 0 (``first`` runs there), on the last
-virtual stage (``last`` runs there) and whether its forward is rematerialised.
+virtual stage (``last`` runs there) and whether its forward is rematerialised. Where the
+schedule does not split the backward, each ``B`` runs its ``W`` (kind ``BW``: the table
+puts that ``W`` in the next tick, which then idles), reading the stash once and keeping
+no use gradients (no ``uses`` ring), and each stash slot is free after the ``B``.
 """
 
 from __future__ import annotations
@@ -42,12 +45,15 @@ from parallax.pipeline.schedules.table import Schedule
 RINGS = ("stash", "inputs", "uses")  # and the inbox, planned by the schedule's arrays
 VERSIONS = "versions"  # weights="stashed": the weight version each micro-batch's F used
 SNAPSHOTS = "snapshots"  # threaded module state: the state each micro-batch's F started from
+# The runtime's action codes: the schedule's (0 idle, F 1, B 2, W 3), and a backward that
+# runs its W too (``split_backward=False``: the table's W follows its B in the next tick).
+RUNTIME_CODES = {**KIND_CODES, "BW": 4}
 
 
 class RuntimePlan(NamedTuple):
     """Per-tick, per-stage indices the runtime reads (int32 ``[ticks, stages]``, -1 = none)."""
 
-    kind: np.ndarray  # 0 idle, 1 F, 2 B, 3 W (as Schedule.as_arrays): the guard that runs
+    kind: np.ndarray  # the guard that runs (RUNTIME_CODES): 0 idle, F 1, B 2, W 3, BW 4
     first: np.ndarray  # F, B on virtual stage 0
     last: np.ndarray  # F, B on the last virtual stage
     remat: np.ndarray  # F, B of a rematerialised micro-batch
@@ -58,6 +64,7 @@ class RuntimePlan(NamedTuple):
     arrive: dict  # channel ("up", "down", "local") -> [T, S] inbox slot, or the spare row
     capacity: dict  # ring name -> slots per stage (max over stages; SPMD shapes agree)
     mixed: dict  # (kind, flag) -> (some cell of the kind has it, some lacks it): static
+    kinds: frozenset  # the action kinds any cell runs ("F", "B", "W", "BW"): static
 
     def table(self) -> dict:
         """The ``[T, S]`` arrays the tick loop scans over (reads clamped to slot 0).
@@ -82,6 +89,7 @@ def widen(plans) -> list[RuntimePlan]:
     capacity = {name: max(p.capacity[name] for p in plans) for name in plans[0].capacity}
     mixed = {key: tuple(any(p.mixed[key][i] for p in plans) for i in (0, 1))
              for key in plans[0].mixed}
+    kinds = frozenset().union(*(p.kinds for p in plans))
 
     def pad(a, fill):
         return np.concatenate([a, np.full((ticks - a.shape[0], a.shape[1]), fill, a.dtype)])
@@ -100,7 +108,7 @@ def widen(plans) -> list[RuntimePlan]:
                     for name, w in p.writes.items()},
             arrive={name: spare(a, inbox_old, capacity["inbox"])
                     for name, a in p.arrive.items()},
-            capacity=capacity, mixed=mixed))
+            capacity=capacity, mixed=mixed, kinds=kinds))
     return out
 
 
@@ -139,6 +147,7 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
     """
     arrays = schedule_arrays(schedule, local_seeds=True)
     T, S, V, M = schedule.ticks, schedule.stages, schedule.virtual_stages, schedule.microbatches
+    split = schedule.split_backward
     rematted = remat_flags(remat, M)
     tick = schedule.tick_of
     slots = {name: np.full((T, S), -1, np.int32) for name in RINGS}
@@ -155,11 +164,13 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
                 for m in range(M):
                     f, b, w = (tick[(Action(k, m, c), s)] for k in "FBW")
                     r = rematted[m]
+                    # a fused backward (BW) runs W's work in B's tick: nothing waits for W
+                    after = (b, w) if split else (b,)
                     uses = {  # the ticks whose action uses the slot; the first one writes it
-                        "stash": (b, w) if r else (f, b, w),
+                        "stash": after if r else (f, *after),
                         "inputs": (f, b) if r else None,
-                        "uses": (b, w),
-                        VERSIONS: (f, b, w),
+                        "uses": (b, w) if split else None,
+                        VERSIONS: (f, *after),
                         SNAPSHOTS: (f, b),
                     }[name]
                     if uses is not None:
@@ -181,8 +192,11 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
     slots["inbox"] = arrays.input  # F: its activation (-1: first(micro-batch)); B: gradient
 
     kind = arrays.kind
+    if not split:  # each B runs its W (whose tick, right after it, then idles)
+        kind = np.where(kind == KIND_CODES["B"], RUNTIME_CODES["BW"],
+                        np.where(kind == KIND_CODES["W"], 0, kind)).astype(kind.dtype)
     chunk, microbatch = np.maximum(arrays.chunk, 0), np.maximum(arrays.microbatch, 0)
-    active = (kind == KIND_CODES["F"]) | (kind == KIND_CODES["B"])
+    active = np.isin(kind, [RUNTIME_CODES[k] for k in ("F", "B", "BW")])
     virtual = np.asarray(schedule.placement.virtual)[np.arange(S)[None, :], chunk]
     flags = {
         "first": active & (virtual == 0),
@@ -190,8 +204,8 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         "remat": active & np.asarray(rematted)[microbatch],
     }
     mixed = {}
-    for kind_name in ("F", "B"):
-        cells = kind == KIND_CODES[kind_name]
+    for kind_name in ("F", "B", "BW"):
+        cells = kind == RUNTIME_CODES[kind_name]
         for name, flag in flags.items():
             mixed[kind_name, name] = (bool(flag[cells].any()), bool((~flag[cells]).any()))
     return RuntimePlan(
@@ -204,4 +218,5 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         arrive=arrive,
         capacity=capacity,
         mixed=mixed,
+        kinds=frozenset(k for k, code in RUNTIME_CODES.items() if (kind == code).any()),
     )

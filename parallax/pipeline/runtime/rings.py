@@ -59,24 +59,40 @@ def slot_shapes(x_like, tmpl, lc: int, stacked: list, versions: bool,
             "state": state, "others_state": others}
 
 
-def initial_state(capacity: dict, slots: dict, stacked, others, vary,
+def initial_state(capacity: dict, slots: dict, stacked, others, vary, stage,
                   microbatches: int | None = None) -> dict:
     """Zero rings (with their spare row), payload and accumulators, varying over the manual
-    axes.
+    axes; ``stage`` is this stage's index (``lax.axis_index``).
 
     With ``microbatches`` (``weights="stashed"``), the other parameters' gradients are
     kept per micro-batch (``[M, ...]``) and the stacked ones not at all (each ``W`` applies
     its own).
     """
-    state = {name: jax.tree.map(lambda a, n=capacity.get(name, 0): vary(
-        jnp.zeros((n + 1, *a.shape), a.dtype)), slots[name]) for name in RINGS}
-    state["payload"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), slots["inbox"])
+    count = iter(range(1, 1 << 30))
+
+    def zeros(shape, dtype):
+        return vary(_own_zeros(shape, dtype, stage, next(count)))
+
+    state = {name: jax.tree.map(lambda a, n=capacity.get(name, 0): zeros(
+        (n + 1, *a.shape), a.dtype), slots[name]) for name in RINGS}
+    state["payload"] = jax.tree.map(lambda a: zeros(a.shape, a.dtype), slots["inbox"])
     per = () if microbatches is None else (microbatches,)
-    state["d_stacked"] = ([vary(jnp.zeros(p.shape, wide(p.dtype))) for p in stacked]
+    state["d_stacked"] = ([zeros(p.shape, wide(p.dtype)) for p in stacked]
                           if microbatches is None else [])
-    state["d_others"] = [vary(jnp.zeros(per + o.shape, wide(o.dtype))) for o in others]
+    state["d_others"] = [zeros(per + o.shape, wide(o.dtype)) for o in others]
     state["loss"] = vary(jnp.zeros((), jnp.float32))
     return state
+
+
+def _own_zeros(shape, dtype, stage, k):
+    """Zeros of their own, which XLA does not merge with another buffer's: identical
+    ``jnp.zeros`` are one instruction after XLA's common-subexpression pass, and the loop
+    then copies it into each buffer it carries (measured: every ring written twice when the
+    step starts). The scalar ``(stage + k) * 0`` differs per buffer and is not folded for
+    floating types (it would be NaN for an infinite operand)."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return jnp.zeros(shape, dtype)
+    return jnp.broadcast_to(((stage + k).astype(dtype) * 0).astype(dtype), shape)
 
 
 def read(buf, slot):

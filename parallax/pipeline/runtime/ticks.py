@@ -9,12 +9,14 @@ tensor axes stay with GSPMD inside the stage bodies), every tick each stage
    inbox's spare row where nothing meant for it arrived;
 2. reads its action from the table (indexed by ``axis_index``) and runs it in place: one
    guarded loop per kind, ``F``, ``B``, ``W`` (:mod:`parallax.pipeline.runtime.actions`),
-   each a ``lax.while_loop`` of one trip where the cell is of its kind and none elsewhere,
-   which writes its ring slots, accumulators and payload straight into the carried
-   buffers. An idle tick runs none and touches no buffer. (A ``lax.switch`` over the
-   actions made XLA copy a buffer that it returned, or that it read and was written in
-   the same tick: so every tick stored a stash slot and added gradient deltas, zeros
-   unless its action made them; measured 3.2x the sequential program's bytes, 2.0x now);
+   or ``BW`` where the schedule does not split the backward (its ``W`` runs inside its
+   ``B``, and the ``W``'s tick idles), each a ``lax.while_loop`` of one trip where the
+   cell is of its kind and none elsewhere, which writes its ring slots, accumulators and
+   payload straight into the carried buffers. An idle tick runs none and touches no
+   buffer. (A ``lax.switch`` over the actions made XLA copy a buffer that it returned, or
+   that it read and was written in the same tick: so every tick stored a stash slot and
+   added gradient deltas, zeros unless its action made them: 3.2x the sequential
+   program's bytes, measured);
 3. sends its payload to both neighbours with one ``ppermute`` each (one when there are two
    stages, none with one), outside the guards, so the collectives are the same on every
    stage and every tick, and keeps it for itself. After an idle or ``W`` tick the payload
@@ -49,8 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallax.pipeline.runtime import actions, layer_moves, rings, stage_state, stashed
 from parallax.pipeline.runtime.chunk import Chunk, template
-from parallax.pipeline.runtime.plan import RuntimePlan, runtime_plan
-from parallax.pipeline.schedules.action import KIND_CODES
+from parallax.pipeline.runtime.plan import RUNTIME_CODES, RuntimePlan, runtime_plan
 from parallax.pipeline.schedules.table import Schedule
 from parallax.pipeline.stages import Program
 from parallax.vma import to_varying, varying_axes
@@ -204,7 +205,7 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
     threaded = carrier is not None and carrier.threaded
     slots = rings.slot_shapes(x_like, tmpl, stacked[0].shape[1], stacked, keep, s_live,
                               o_live, threaded)
-    state = rings.initial_state(plan.capacity, slots, stacked, others, vary,
+    state = rings.initial_state(plan.capacity, slots, stacked, others, vary, s,
                                 M if keep else None)
     if keep:
         state["live"], state["opt"] = list(stacked), list(opt)
@@ -227,10 +228,12 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
             state["inbox"] = rings.write(state["inbox"], cell[f"arrive_{channel}"], value)
         # 2. the action, in place: one guarded loop per kind, of which at most one runs
         code = vary(jnp.int32(0))
-        for kind in ("F", "B", "W"):
-            trips, state = actions.guard(kind, cell["kind"] == KIND_CODES[kind], bodies[kind],
-                                         state, vary, cell)
-            code = code + KIND_CODES[kind] * trips
+        for kind in ("F", "B", "W", "BW"):
+            if kind not in plan.kinds:  # no cell runs it (BW: the backward is split; W: not)
+                continue
+            trips, state = actions.guard(kind, cell["kind"] == RUNTIME_CODES[kind],
+                                         bodies[kind], state, vary, cell)
+            code = code + RUNTIME_CODES[kind] * trips
         # 3. send, the same collectives on every stage and every tick
         payload = state["payload"]
         if S > 2:

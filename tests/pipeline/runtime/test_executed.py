@@ -65,6 +65,7 @@ def test_the_pipeline_computes_what_the_sequential_model_computes():
     assert 0.99 <= sched.stages * run.flops / seq.flops <= 1.03
     # bytes: each action writes its slots and accumulators in place, each layer of its
     # layer loop reads and writes its ring slots at [slot, layer], and a tick that runs
-    # none touches no buffer (1.27x measured; 2.0x while the layer loop built its stash in
-    # a buffer of its own; 3.2x while every tick stored a stash slot)
-    assert sched.stages * run.bytes / seq.bytes < 1.35
+    # none touches no buffer, and 1F1B's backward runs its W inside its B (1.12x measured;
+    # 1.27x with B and W apart, 2.0x while the layer loop built its stash in a buffer of
+    # its own, 3.2x while every tick stored a stash slot)
+    assert sched.stages * run.bytes / seq.bytes < 1.15

@@ -40,11 +40,34 @@ _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 
 # The pipeline runtime (parallax.pipeline.runtime.actions) names its control flow in the
 # op_name metadata: each tick runs one guarded ``while`` (0 or 1 trips) per kind of action,
-# ``pp_F``, ``pp_B``, ``pp_W``, and ``pp_BW`` (a backward that runs its W too); inside them a flag is a ``lax.cond`` (``pp_first``,
-# ``pp_last``) or, for a rematerialised backward, a guarded ``while`` (``pp_remat``).
+# ``pp_F``, ``pp_B``, ``pp_W``, and ``pp_BW`` (a backward that runs its W too); inside them
+# a flag is a ``lax.cond`` (``pp_first``, ``pp_last``) or, for a rematerialised backward, a
+# guarded ``while`` (``pp_remat``).
 PIPELINE_GUARD = re.compile(r"pp_(F|B|W|BW)/while$")
 PIPELINE_FLAG = re.compile(
     r"pp_(F|B|W|BW)/while/body/(?:.*/)?pp_(first|last|remat)/(cond|while)$")
+
+
+def pipeline_shares(op_name: str, branches: int, action_share, flag_share):
+    """How often the pipeline runtime's control flow named ``op_name`` runs, as a
+    ``fractions(op_name, branches)`` callable answers: ``[mean trips]`` for a guarded loop
+    (``branches == 0``), ``[false, true]`` shares for a flag's two-way conditional, None for
+    anything else. ``action_share(kind)`` is the share of ticks running ``kind`` (``"F"``,
+    ``"B"``, ``"W"``, ``"BW"``); ``flag_share(kind, flag)`` the share of that kind's cells
+    carrying ``flag`` (``"first"``, ``"last"``, ``"remat"``), or None when unknown.
+    """
+    flag = PIPELINE_FLAG.search(op_name)
+    if flag:
+        true = flag_share(flag.group(1), flag.group(2))
+        if true is None:
+            return None
+        if flag.group(3) == "while":
+            return [true] if branches == 0 else None
+        return [1 - true, true] if branches == 2 else None  # the false branch first
+    guard = PIPELINE_GUARD.search(op_name)
+    if guard and branches == 0:
+        return [action_share(guard.group(1))]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,18 +103,14 @@ class PipelineBranches:
         ran = {"F": True, "B": not self.fused, "W": not self.fused, "BW": self.fused}[kind]
         return runs / self.ticks if ran else 0.0
 
+    def flag_share(self, kind: str, flag: str) -> float:
+        """The share of a kind's cells carrying ``flag`` (first, last, remat)."""
+        del kind  # on average over the stages, the same for every kind
+        return (self.remat_fraction if flag == "remat"
+                else 1 / (self.stages * self.virtual_stages))
+
     def __call__(self, op_name: str, branches: int) -> list[float] | None:
-        flag = PIPELINE_FLAG.search(op_name)
-        if flag:
-            edge = 1 / (self.stages * self.virtual_stages)
-            true = self.remat_fraction if flag.group(2) == "remat" else edge
-            if flag.group(3) == "while":
-                return [true] if branches == 0 else None
-            return [1 - true, true] if branches == 2 else None
-        guard = PIPELINE_GUARD.search(op_name)
-        if guard and branches == 0:
-            return [self.share(guard.group(1))]
-        return None
+        return pipeline_shares(op_name, branches, self.share, self.flag_share)
 
 
 def computation_counts(text: str, pipeline: PipelineBranches | None = None) -> dict[str, float]:

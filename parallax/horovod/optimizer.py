@@ -39,12 +39,10 @@ from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.collectives import AXIS
 from parallax.horovod.per_rank import PerRank
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
+from parallax.strategies.sync import SYNC_ALGORITHMS
 
 API = "hvd.DistributedOptimizer"
 FUSION_BYTES = 64 * 2**20  # Horovod's HOROVOD_FUSION_THRESHOLD default
-# how a bucket is summed inside @hvd.jit: XLA's all-reduce or a point-to-point algorithm of
-# parallax.comm ("hierarchical" needs two named axes; the Horovod ranks are one)
-ALGORITHMS = ("xla", "tree", "ring", "auto")
 
 
 class DistributedOptimizerState(NamedTuple):
@@ -177,9 +175,10 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
         raise ValueError(f"{API}: op={op} reduces gradients with hvd.Average, hvd.Sum or "
                          "hvd.Adasum only.")
     wire = check_compression(API, compression)
-    if algorithm not in ALGORITHMS:
+    if algorithm not in SYNC_ALGORITHMS:  # a bucket sum over one axis, as px.BucketedSync's
         raise ValueError(
-            f"{API}: algorithm={algorithm!r} must be one of {', '.join(map(repr, ALGORITHMS))}: "
+            f"{API}: algorithm={algorithm!r} must be one of "
+            f"{', '.join(map(repr, SYNC_ALGORITHMS))}: "
             "XLA's all-reduce, or a point-to-point algorithm of parallax.comm.")
     if algorithm != "xla" and op is ReduceOp.Adasum:
         raise ValueError(f"{API}: algorithm={algorithm!r} sums buckets; op=hvd.Adasum has its "

@@ -1,22 +1,23 @@
-"""The runtime's actions, ``F``, ``B`` and ``W``, each run in place under a guard.
+"""The runtime's actions, ``F``, ``B``, ``W`` and ``BW``, each run in place under a guard.
 
 Each tick, every stage runs one guarded loop (:func:`guard`) per kind of action its plan
 has, named (``jax.named_scope``) ``pp_F``, ``pp_B``, ``pp_W`` and ``pp_BW`` (a backward
 the schedule does not split: ``B`` and its ``W`` in one layer loop, the stash read once):
 a ``lax.while_loop`` whose trip count is 1 where the plan's cell is of that kind and 0
-elsewhere. Its body reads the slots
-it needs from the rings (:mod:`parallax.pipeline.runtime.rings`) and writes what it makes
-straight into the carried buffers: its ring slots at the tick's ``store_*`` slots (the
-per-layer rings, ``stash`` and ``uses``, go to the chunk's layer loop
+elsewhere. Its body reads the slots it needs from the rings
+(:mod:`parallax.pipeline.runtime.rings`) and writes what it makes straight into the
+carried buffers: its ring slots at the tick's ``store_*`` slots (the per-layer rings,
+``stash`` and ``uses``, go to the chunk's layer loop
 (:class:`parallax.pipeline.runtime.chunk.Chunk`), which reads and writes them at
 ``[slot, layer]``, one layer at a time), its gradients into the accumulators, the loss,
 the payload the tick sends (an ``F``'s activation, or on the last virtual stage the loss's
 gradient; a ``B``'s input gradient), and for an ``F`` the module state after it
 (:mod:`parallax.pipeline.runtime.stage_state`); with ``weights="stashed"`` a ``W`` applies
-its update to the latest weights (:mod:`parallax.pipeline.runtime.stashed`). XLA updates a loop's carried buffers in place,
-so a tick that does not run an action touches none of its buffers; a ``lax.switch`` over
-the actions instead copied a buffer it returned, or read and saw written in the same tick
-(measured), which made every tick materialise zero slots and store a whole stash slot.
+its update to the latest weights (:mod:`parallax.pipeline.runtime.stashed`). XLA updates
+a loop's carried buffers in place, so a tick that does not run an action touches none of
+its buffers; a ``lax.switch`` over the actions instead copied a buffer it returned, or
+read and saw written in the same tick (measured), which made every tick materialise zero
+slots and store a whole stash slot.
 
 Whether a cell is on the first or last virtual stage is a ``lax.cond`` inside its body
 (``pp_first``, ``pp_last``), which returns values only (an activation, gradients of the
@@ -79,7 +80,8 @@ def _guard_when(name: str, flag, mixed: tuple[bool, bool], body, state, vary, ce
 
 def actions(plan, prog, chunk, stacked, others, micro, slot_mask, vary, optimizer=None,
             carried=None) -> dict:
-    """The guarded bodies ``{"F": fn, "B": fn, "W": fn}``, each ``fn(cell, state) -> state``.
+    """The guarded bodies ``{"F": fn, "B": fn, "W": fn, "BW": fn}``, each
+    ``fn(cell, state) -> state``.
 
     ``cell`` holds the tick's flags and slots for this stage; ``state`` the carried buffers.
     ``optimizer`` (``weights="stashed"``): the stacked layers' optimizer; each ``W`` applies

@@ -217,21 +217,30 @@ class Chunk:
                   for i in range(count)]
         return jax.tree.unflatten(tmpl.treedef, leaves)
 
+    def _input_grads(self, p: list, kept: list, g):
+        """One layer's ``B``: its input gradient and the gradient at each use."""
+        dx, d_uses = self._pullback(p, kept)(g)
+        return jax.tree.map(self.vary, dx), [self.vary(d) for d in d_uses]
+
+    def _weight_grads(self, p: list, kept: list, d_uses: list) -> list:
+        """One layer's ``W``: its weight gradients from its uses' operands (in ``kept``) and
+        the gradients at the uses."""
+        split_ = self.tmpl.split
+        operands = self.tmpl.unstash(kept)[len(self.tmpl.residuals):]
+        _, pullback = jax.vjp(lambda q: split_.uses(q, operands, self.vary), p)
+        return [self.vary(d) for d in pullback([d_uses[k] for k in split_.gradient_of])[0]]
+
     def backward_input(self, params: list, stash: list, read_slot, dy, uses: list, store_slot,
                        mask=None):
         """``B``: the chunk's input gradient, and the ``uses`` ring with each layer's
         gradients at its uses written at ``[store_slot, layer]``; each layer's stash is
         read from the ``stash`` ring at ``[read_slot, layer]`` inside the layer loop."""
 
-        def real(p, kept, g):
-            dx, d_uses = self._pullback(p, kept)(g)
-            return jax.tree.map(self.vary, dx), [self.vary(d) for d in d_uses]
-
         def body(carry, xs):
             g, uses = carry
             p, on, i = xs
             kept = read_layer(stash, read_slot, i)
-            dx, d = self._slot(on, lambda: real(p, kept, g),
+            dx, d = self._slot(on, lambda: self._input_grads(p, kept, g),
                                lambda: (g, self._zeros(self.tmpl.uses)))
             return (dx, write_layer(uses, store_slot, i, d)), None
 
@@ -244,15 +253,10 @@ class Chunk:
         chunk's input gradient and each layer's weight gradient ``[layers, ...]``, each
         layer's stash read once from the ``stash`` ring at ``[read_slot, layer]`` and its use
         gradients consumed where they are made."""
-        tmpl, n = self.tmpl, len(self.tmpl.residuals)
 
         def real(p, kept, g):
-            dx, d_uses = self._pullback(p, kept)(g)
-            operands = tmpl.unstash(kept)[n:]
-            _, pullback = jax.vjp(lambda q: tmpl.split.uses(q, operands, self.vary), p)
-            d_uses = [self.vary(d) for d in d_uses]
-            grads = pullback([d_uses[k] for k in tmpl.split.gradient_of])[0]
-            return jax.tree.map(self.vary, dx), [self.vary(d) for d in grads]
+            dx, d_uses = self._input_grads(p, kept, g)
+            return dx, self._weight_grads(p, kept, d_uses)
 
         def body(g, xs):
             p, on, i = xs
@@ -266,18 +270,12 @@ class Chunk:
         """``W``: each layer's weight gradient ``[layers, ...]`` from its uses' gradients,
         each layer's stash and use gradients read from their rings at ``[slot, layer]``
         inside the layer loop."""
-        split_ = self.tmpl.split
-        n = len(self.tmpl.residuals)
-
-        def real(p, kept, g):
-            operands = self.tmpl.unstash(kept)[n:]
-            _, pullback = jax.vjp(lambda q: split_.uses(q, operands, self.vary), p)
-            return [self.vary(d) for d in pullback([g[k] for k in split_.gradient_of])[0]]
 
         def body(_, xs):
             p, on, i = xs
             kept, g = read_layer(stash, stash_slot, i), read_layer(uses, uses_slot, i)
-            return None, self._slot(on, lambda: real(p, kept, g), lambda: self._zeros(p))
+            return None, self._slot(on, lambda: self._weight_grads(p, kept, g),
+                                    lambda: self._zeros(p))
 
         return lax.scan(body, None, (params, mask, _layers(params)))[1]
 

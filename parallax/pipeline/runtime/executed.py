@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from parallax.analysis import hlo
-from parallax.analysis.program import PIPELINE_FLAG, PIPELINE_GUARD
+from parallax.analysis.program import pipeline_shares
 from parallax.pipeline.runtime.plan import RUNTIME_CODES
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
@@ -207,28 +207,22 @@ def table_fractions(plan) -> Fractions:
     its :class:`RuntimePlan`.
 
     The guard of each kind of action (``pp_F``, ``pp_B``, ``pp_W``, ``pp_BW``: a ``while``
-    of 0 or 1 trips) runs as often as the plan has cells of that kind; a flag's ``lax.cond`` or guard
-    inside one (``pp_first``, ``pp_last``, ``pp_remat``) as often as the cells of that kind
-    carry the flag. Any other conditional counts as its most expensive branch, any other
+    of 0 or 1 trips) runs as often as the plan has cells of that kind; a flag's ``lax.cond``
+    or guard inside one (``pp_first``, ``pp_last``, ``pp_remat``) as often as the cells of
+    that kind carry the flag. Any other conditional counts as its most expensive branch, any other
     loop of unknown trip count once.
     """
     kind = plan.kind
-    cells = kind.size
+
+    def action_share(name: str) -> float:
+        return float((kind == RUNTIME_CODES[name]).mean())
+
+    def flag_share(name: str, flag: str) -> float | None:
+        among = kind == RUNTIME_CODES[name]
+        return float(getattr(plan, flag)[among].mean()) if among.any() else None
 
     def fractions(op_name: str, branches: int) -> list[float] | None:
-        flag = PIPELINE_FLAG.search(op_name)
-        if flag:
-            among = kind == RUNTIME_CODES[flag.group(1)]
-            if not among.any():
-                return None
-            share = float(getattr(plan, flag.group(2))[among].mean())
-            if flag.group(3) == "while":
-                return [share] if branches == 0 else None
-            return [1 - share, share] if branches == 2 else None  # the false branch first
-        action = PIPELINE_GUARD.search(op_name)
-        if action and branches == 0:
-            return [float((kind == RUNTIME_CODES[action.group(1)]).sum()) / cells]
-        return None
+        return pipeline_shares(op_name, branches, action_share, flag_share)
 
     return fractions
 

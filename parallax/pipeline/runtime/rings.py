@@ -28,6 +28,8 @@ the chunk's layer loops (:func:`read_layer`, :func:`write_layer`).
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -68,7 +70,7 @@ def initial_state(capacity: dict, slots: dict, stacked, others, vary, stage,
     kept per micro-batch (``[M, ...]``) and the stacked ones not at all (each ``W`` applies
     its own).
     """
-    count = iter(range(1, 1 << 30))
+    count = itertools.count(1)
 
     def zeros(shape, dtype):
         return vary(_own_zeros(shape, dtype, stage, next(count)))

@@ -137,22 +137,12 @@ def compiled(fn, stages: int, *args):
         return jax.jit(fn).lower(*args).compile()
 
 
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
-                    r"=%([\w.\-]+)|branch_computations=\{([^}]*)\}")
-
-
 def guard_dots(compiled_program) -> list[dict]:
     """For each tick loop (a ``while`` whose body holds the runtime's guarded loops ``pp_F``,
     ``pp_B``, ``pp_W``, ``pp_BW``), the number of ``dot`` instructions reachable from each
     guard's body (``{"F": ..., "B": ..., "W": ...}``, a list where a kind has several
-    guards) and from the
-    tick body outside them (``"outside"``)."""
+    guards) and from the tick body outside them (``"outside"``)."""
     blocks = hlo.computations(compiled_program.as_text())
-
-    def callees(name):
-        for line in blocks.get(name, ()):
-            for m in _CALLS.finditer(line):
-                yield from ([m.group(1)] if m.group(1) else re.findall(r"%([\w.\-]+)", m.group(2)))
 
     def guard_of(line):
         m = re.search(r'\swhile\(.*op_name="[^"]*pp_(F|B|W|BW)/while"', line)
@@ -163,9 +153,7 @@ def guard_dots(compiled_program) -> list[dict]:
         for line in blocks.get(name, ()):
             if skip_guards and guard_of(line):
                 continue
-            own += sum(dots(c, skip_guards) for m in _CALLS.finditer(line)
-                       for c in ([m.group(1)] if m.group(1) else
-                                 re.findall(r"%([\w.\-]+)", m.group(2))))
+            own += sum(dots(c.callee, skip_guards) for c in hlo.calls(line))
         return own
 
     found = []

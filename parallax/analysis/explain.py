@@ -42,7 +42,8 @@ REASONS = {
                   "internal backward that B computed (attention, inner input gradients and "
                   "their tensor-parallel all-reduces); the formula counts one backward",
     "pipeline buffers": "the pipeline runtime's rings (received activations and gradients, "
-                        "stashed residuals: capacity + 1 slots each) and accumulators",
+                        "stashed residuals: their slots, plus a spare row where a write may "
+                        "go nowhere) and accumulators",
     "step time": "a roofline is a lower bound: kernels reach a fraction of peak (the MFU), "
                  "dispatch and synchronisation add time; on simulated CPU devices 8 devices "
                  "share the host's cores",

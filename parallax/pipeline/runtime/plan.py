@@ -6,9 +6,12 @@ or from this stage itself); the runtime asks it to route the loss's gradient thr
 inbox too (the last virtual stage's ``F`` sends it to itself), so every ``B`` reads its
 gradient from the inbox. The runtime keeps three more rings whose slots this module assigns
 from the same table (lowest free slot first, as :mod:`parallax.pipeline.schedules.slots`
-does), so the schedule stays the single source of truth. Every ring has one spare row that
-takes the writes that go nowhere (an arrival when nothing meant for the stage was sent, a
-forward's stash when its ``B`` recomputes it):
+does), so the schedule stays the single source of truth. A ring that some executed write
+must send nowhere has one spare row for it (the inbox: an arrival when nothing meant for the
+stage was sent; the stash and inputs where only some forwards are rematerialised: the
+stash of a forward its ``B`` recomputes, the input of one it does not); the other rings
+have none, since every ring is zeroed when the step starts (JAX has no uninitialised
+buffer) and a spare row would be zeroed for nothing:
 
 * ``stash``: what ``F`` keeps for ``B`` and ``W`` (the closure's residuals and the uses'
   operands, :mod:`parallax.pipeline.runtime.chunk`); ``F`` writes it (``B`` when the forward
@@ -60,11 +63,17 @@ class RuntimePlan(NamedTuple):
     microbatch: np.ndarray  # clamped to 0 where idle
     chunk: np.ndarray  # clamped to 0 where idle
     slots: dict  # ring name -> [T, S] slot the cell's action reads or writes (-1: none)
-    writes: dict  # ring name -> [T, S] slot written in the tick; ``capacity``: the spare row
+    writes: dict  # ring name -> [T, S] slot written in the tick; ``capacity``: none (the
+    #               spare row, in a ring that has one)
     arrive: dict  # channel ("up", "down", "local") -> [T, S] inbox slot, or the spare row
     capacity: dict  # ring name -> slots per stage (max over stages; SPMD shapes agree)
     mixed: dict  # (kind, flag) -> (some cell of the kind has it, some lacks it): static
     kinds: frozenset  # the action kinds any cell runs ("F", "B", "W", "BW"): static
+    spares: frozenset  # the rings with a spare row, which some executed write targets: static
+
+    def rows(self, name: str) -> int:
+        """The rows of ring ``name``: its slots, and its spare row if it has one."""
+        return self.capacity.get(name, 0) + (name in self.spares)
 
     def table(self) -> dict:
         """The ``[T, S]`` arrays the tick loop scans over (reads clamped to slot 0).
@@ -90,6 +99,7 @@ def widen(plans) -> list[RuntimePlan]:
     mixed = {key: tuple(any(p.mixed[key][i] for p in plans) for i in (0, 1))
              for key in plans[0].mixed}
     kinds = frozenset().union(*(p.kinds for p in plans))
+    spares = frozenset().union(*(p.spares for p in plans))
 
     def pad(a, fill):
         return np.concatenate([a, np.full((ticks - a.shape[0], a.shape[1]), fill, a.dtype)])
@@ -108,7 +118,7 @@ def widen(plans) -> list[RuntimePlan]:
                     for name, w in p.writes.items()},
             arrive={name: spare(a, inbox_old, capacity["inbox"])
                     for name, a in p.arrive.items()},
-            capacity=capacity, mixed=mixed, kinds=kinds))
+            capacity=capacity, mixed=mixed, kinds=kinds, spares=spares))
     return out
 
 
@@ -183,7 +193,8 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
             per_stage.append(used)
         capacity[name] = max(per_stage, default=0)
     capacity["inbox"] = int(arrays.inbox_capacity.max(initial=0))
-    # Every ring has one spare row, ``capacity``: a write that goes nowhere goes there.
+    # ``capacity`` is the spare row: a write that goes nowhere goes there (an unexecuted
+    # one, or in a ring with a spare row, see ``spares`` below, an executed one).
     writes = {name: np.where(written[name], slots[name], capacity[name]).astype(np.int32)
               for name in rings}
     arrive = {channel: np.where(a >= 0, a, capacity["inbox"]).astype(np.int32)
@@ -208,6 +219,10 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         cells = kind == RUNTIME_CODES[kind_name]
         for name, flag in flags.items():
             mixed[kind_name, name] = (bool(flag[cells].any()), bool((~flag[cells]).any()))
+    # Executed writes to a spare row: every tick's arrivals (the inbox), and where only some
+    # forwards are rematerialised, every F's write to the stash and to the inputs (the
+    # runtime writes both, one of them to the spare row: actions.forward).
+    spares = {"inbox"} | ({"stash", "inputs"} if all(mixed["F", "remat"]) else set())
     return RuntimePlan(
         kind=kind,
         **{name: flag.astype(np.int32) for name, flag in flags.items()},
@@ -219,4 +234,5 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         capacity=capacity,
         mixed=mixed,
         kinds=frozenset(k for k, code in RUNTIME_CODES.items() if (kind == code).any()),
+        spares=frozenset(spares),
     )

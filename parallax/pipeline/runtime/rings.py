@@ -1,18 +1,18 @@
 """The runtime's buffers: rings of slots and accumulators, carried by the tick loop.
 
-Every stage keeps rings of slots (``[capacity + 1, ...]``: the last row is a spare that
-takes the writes that go nowhere, such as an arrival when nothing was sent) and
-accumulators:
+Every stage keeps rings of slots (``[rows, ...]``: the plan's ``capacity``, plus a spare
+row that takes the executed writes that go nowhere, such as an arrival when nothing was
+sent, in the rings that have them: :meth:`RuntimePlan.rows`) and accumulators:
 
 ================  =============================================  ============================
-``inbox``         ``[capacity + 1, *x]``                         activations and gradients
+``inbox``         ``[rows, *x]``                                 activations and gradients
                                                                  received (the loss's too)
-``stash``         per leaf ``[capacity + 1, L_c, ...]``          what F keeps for B and W
-``inputs``        ``[capacity + 1, *x]``                         inputs of rematerialised F
-``uses``          per use ``[capacity + 1, L_c, ...]``           gradients at uses, B -> W
-``versions``      per layer param ``[capacity + 1, L_c, ...]``   the weights F used
+``stash``         per leaf ``[rows, L_c, ...]``                  what F keeps for B and W
+``inputs``        ``[rows, *x]``                                 inputs of rematerialised F
+``uses``          per use ``[rows, L_c, ...]``                   gradients at uses, B -> W
+``versions``      per layer param ``[rows, L_c, ...]``           the weights F used
                                                                  (``weights="stashed"``)
-``snapshots``     per state leaf ``[capacity + 1, ...]``         the state F started from,
+``snapshots``     per state leaf ``[rows, ...]``                 the state F started from,
                                                                  for B (threaded state only)
 ``payload``       ``*x``                                         what the stage sends (the
                                                                  last F's or B's)
@@ -61,10 +61,10 @@ def slot_shapes(x_like, tmpl, lc: int, stacked: list, versions: bool,
             "state": state, "others_state": others}
 
 
-def initial_state(capacity: dict, slots: dict, stacked, others, vary, stage,
+def initial_state(rows: dict, slots: dict, stacked, others, vary, stage,
                   microbatches: int | None = None) -> dict:
-    """Zero rings (with their spare row), payload and accumulators, varying over the manual
-    axes; ``stage`` is this stage's index (``lax.axis_index``).
+    """Zero rings (``rows[name]`` rows each), payload and accumulators, varying over the
+    manual axes; ``stage`` is this stage's index (``lax.axis_index``).
 
     With ``microbatches`` (``weights="stashed"``), the other parameters' gradients are
     kept per micro-batch (``[M, ...]``) and the stacked ones not at all (each ``W`` applies
@@ -75,8 +75,8 @@ def initial_state(capacity: dict, slots: dict, stacked, others, vary, stage,
     def zeros(shape, dtype):
         return vary(_own_zeros(shape, dtype, stage, next(count)))
 
-    state = {name: jax.tree.map(lambda a, n=capacity.get(name, 0): zeros(
-        (n + 1, *a.shape), a.dtype), slots[name]) for name in RINGS}
+    state = {name: jax.tree.map(lambda a, n=rows[name]: zeros((n, *a.shape), a.dtype),
+                                slots[name]) for name in RINGS}
     state["payload"] = jax.tree.map(lambda a: zeros(a.shape, a.dtype), slots["inbox"])
     per = () if microbatches is None else (microbatches,)
     state["d_stacked"] = ([zeros(p.shape, wide(p.dtype)) for p in stacked]
@@ -109,7 +109,7 @@ def write(buf, slot, value):
 
 
 def read_layer(buf, slot, layer) -> list:
-    """``[slot, layer]`` of every leaf of a per-layer ring (``[capacity + 1, L_c, ...]``):
+    """``[slot, layer]`` of every leaf of a per-layer ring (``[rows, L_c, ...]``):
     one dynamic slice of one layer's values each, not of the whole slot."""
     return [lax.dynamic_slice(b, (slot, layer) + (0,) * (b.ndim - 2),
                               (1, 1, *b.shape[2:])).reshape(b.shape[2:]) for b in buf]

@@ -9,7 +9,7 @@ import pytest
 
 from parallax import pipeline as pp
 from parallax.pipeline.runtime.gradients import pipeline_grads
-from parallax.pipeline.runtime.plan import runtime_plan
+from parallax.pipeline.runtime.plan import runtime_plan, widen
 from parallax.testing import relative_difference
 
 from ..runtime_testing import (D, TOY, compiled, family, guard_dots, pipelined, reference,
@@ -229,6 +229,20 @@ def test_zero_bubble_schedules_keep_use_gradients_until_their_w():
     assert runtime_plan(pp.schedule("zb_h2", 4, 8)).capacity["uses"] == 7
 
 
+def test_only_rings_an_executed_write_can_miss_keep_a_spare_row():
+    # every ring is zeroed when the step starts: a spare row nobody writes is zeroed bytes
+    sched = pp.schedule("gpipe", 4, 8)
+    never, mixed = runtime_plan(sched), runtime_plan(sched, "except_last")
+    assert never.spares == {"inbox"} and never.rows("stash") == never.capacity["stash"] == 8
+    assert never.rows("uses") == never.rows("inputs") == 0  # no split, no rematerialisation
+    # only some forwards rematerialised: each F writes its stash or its input, not both
+    assert mixed.spares == {"inbox", "stash", "inputs"}
+    assert mixed.rows("stash") == mixed.capacity["stash"] + 1
+    assert runtime_plan(sched, "always").spares == {"inbox"}
+    widened = widen([never, mixed])
+    assert all(w.spares == mixed.spares for w in widened)
+
+
 @pytest.mark.parametrize("remat", ["never", "always"])
 def test_the_tick_loop_copies_no_ring(remat):
     """Each action writes its rings in place, and so does each layer of its layer loop
@@ -251,7 +265,7 @@ def test_the_tick_loop_copies_no_ring(remat):
     lines = [line for body in blocks.values() for line in body]
     copies = [elements(line) for line in lines if re.search(r"\scopy\(", line)]
     # [slots, layers, rows, D]
-    ring = (runtime_plan(sched, remat).capacity["stash"] + 1) * 2 * 4 * D
+    ring = runtime_plan(sched, remat).rows("stash") * 2 * 4 * D
     # the size is right: the program makes a buffer of exactly the ring's size
     assert any(elements(line) == ring for line in lines if re.search(r"=\s*f32\[", line))
     assert copies and max(copies) < ring

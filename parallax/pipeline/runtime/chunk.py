@@ -8,7 +8,7 @@ the gradient at every use; ``W`` turns those into each layer's weight gradient, 
 and independently. ``F + B + W`` computes what one ``jax.vjp`` does, once.
 
 What a layer keeps goes straight into the runtime's rings
-(:mod:`parallax.pipeline.runtime.rings`, ``[capacity + 1, L_c, ...]`` per leaf): each
+(:mod:`parallax.pipeline.runtime.rings`, ``[rows, L_c, ...]`` per leaf): each
 action's layer loop carries the ring it writes and updates ``[slot, layer]`` as it reaches
 the layer, and reads ``[slot, layer]`` of the rings it reads with one dynamic slice per
 layer. No ``[L_c, ...]`` buffer of the chunk's own is built and then stored into a slot,
@@ -18,7 +18,9 @@ program's, ``docs/pipeline.md``).
 The closure's structure comes from one template trace on *varying* dummy inputs (with
 invariant dummies the rebuilt closure's cotangent types differ between the actions).
 Residual leaves that are the layer's own parameters are not stashed: they are taken from the
-parameters again when the closure is rebuilt.
+parameters again when the closure is rebuilt; nor are leaves made from no input at all (a
+causal mask: :mod:`parallax.pipeline.runtime.constants`), which the template's trace
+holds once for every layer and micro-batch.
 
 Every layer also takes and returns its non-parameter state (``[layers, ...]`` per leaf for a
 chunk; none for a stateless model): ``F`` (and a rematerialised forward) returns the state
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from parallax.pipeline.runtime.constants import constant_outputs
 from parallax.pipeline.runtime.rings import read_layer, write_layer
 from parallax.pipeline.runtime.split import Split, split
 
@@ -49,19 +52,26 @@ class Template(NamedTuple):
     operands: list  # ShapeDtypeStruct of the uses' activation operands (for W)
     uses: list  # ShapeDtypeStruct of the gradient at each use (B -> W)
     same_as: dict  # position in residuals + operands -> earlier position holding that value
+    constants: dict  # position in residuals + operands -> its value, made from no input
+
+    def kept(self, i: int) -> bool:
+        """Whether ``F`` stashes position ``i`` of the residuals + operands."""
+        return i not in self.same_as and i not in self.constants
 
     @property
     def stashed(self) -> list:
         """What ``F`` keeps per layer: the closure's residuals, then the uses' operands, each
         value once (an operand that is also a residual, e.g. the input under a checkpoint
-        policy, is kept once)."""
-        return [a for i, a in enumerate(self.residuals + self.operands) if i not in self.same_as]
+        policy, is kept once), constants not at all."""
+        return [a for i, a in enumerate(self.residuals + self.operands) if self.kept(i)]
 
-    def unstash(self, kept: list) -> list:
-        """The residuals and operands from what ``F`` kept (duplicates restored)."""
+    def unstash(self, kept: list, vary: Callable) -> list:
+        """The residuals and operands from what ``F`` kept (duplicates and constants
+        restored; ``vary`` casts a constant like the stashed values)."""
         kept, out = iter(kept), []
         for i in range(len(self.residuals) + len(self.operands)):
-            out.append(out[self.same_as[i]] if i in self.same_as else next(kept))
+            out.append(out[self.same_as[i]] if i in self.same_as else
+                       vary(self.constants[i]) if i in self.constants else next(kept))
         return out
 
 
@@ -97,9 +107,19 @@ def template(layer: Callable, param_like: list, x_like, vary: Callable, policy,
     param_at, zero_at = _param_positions(leaves, dummies), _param_positions(leaves, eps)
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     kept = [leaf for i, leaf in enumerate(leaves) if i not in param_at and i not in zero_at]
+    values = kept + list(operands)
+    same_as = _duplicates(values)
+
+    def stashable(params, x, state):  # what F would stash, traced again to follow its inputs
+        (_, pullback, (operands, _)), eps = _vjp(s, policy, vary, params, x, state)
+        leaves = jax.tree.leaves(pullback)
+        skip = set(_param_positions(leaves, params)) | set(_param_positions(leaves, eps))
+        return [leaf for i, leaf in enumerate(leaves) if i not in skip] + list(operands)
+
+    constants = {i: values[i] for i in constant_outputs(stashable, dummies, x, state)
+                 if i not in same_as}
     return Template(s, treedef, param_at, zero_at, [like(leaf) for leaf in kept],
-                    [like(o) for o in operands], list(s.eps_like),
-                    _duplicates(kept + list(operands)))
+                    [like(o) for o in operands], list(s.eps_like), same_as, constants)
 
 
 def _vjp(s: Split, policy, vary, params, x, state):
@@ -171,34 +191,35 @@ class Chunk:
 
         return lax.scan(body, x, (params, list(state), mask))
 
+    def forward_layer(self, p: list, x, st: list):
+        """One layer's ``F``: ``(y, (what it stashes, its new state))``."""
+        tmpl = self.tmpl
+        (y, pullback, (operands, new)), eps = _vjp(tmpl.split, self.policy, self.vary, p, x, st)
+        leaves = jax.tree.leaves(pullback)
+        if (_param_positions(leaves, p), _param_positions(leaves, eps)) != (
+                tmpl.param_at, tmpl.zero_at) or len(leaves) != len(tmpl.param_at) + len(
+                tmpl.zero_at) + len(tmpl.residuals):
+            raise AssertionError("pipeline runtime: a layer's vjp closure changed structure")
+        kept = [leaf for i, leaf in enumerate(leaves)
+                if i not in tmpl.param_at and i not in tmpl.zero_at]
+        values = kept + list(operands)
+        if _duplicates(values) != tmpl.same_as:
+            raise AssertionError("pipeline runtime: a layer's stash changed structure")
+        kept = [self.vary(v) for i, v in enumerate(values) if tmpl.kept(i)]
+        return y, (kept, self._vary_state(new))
+
     def forward_stash(self, params: list, x, ring: list, slot, mask=None, state: list = ()):
-        """``F``: the chunk's output, the stash ring (:mod:`~.rings`, ``[capacity + 1, L_c,
+        """``F``: the chunk's output, the stash ring (:mod:`~.rings`, ``[rows, L_c,
         ...]`` per leaf) with each layer's stash written at ``[slot, layer]`` as the layer
         loop reaches it, and the state after each layer. The ring is carried by the loop,
         so it is written in place: no ``[L_c, ...]`` stash of the chunk's own is built."""
         tmpl = self.tmpl
 
-        def real(p, x, st):
-            (y, pullback, (operands, new)), eps = _vjp(tmpl.split, self.policy, self.vary,
-                                                       p, x, st)
-            leaves = jax.tree.leaves(pullback)
-            if (_param_positions(leaves, p), _param_positions(leaves, eps)) != (
-                    tmpl.param_at, tmpl.zero_at) or len(leaves) != len(tmpl.param_at) + len(
-                    tmpl.zero_at) + len(tmpl.residuals):
-                raise AssertionError("pipeline runtime: a layer's vjp closure changed structure")
-            kept = [leaf for i, leaf in enumerate(leaves)
-                    if i not in tmpl.param_at and i not in tmpl.zero_at]
-            values = kept + list(operands)
-            if _duplicates(values) != tmpl.same_as:
-                raise AssertionError("pipeline runtime: a layer's stash changed structure")
-            kept = [self.vary(v) for i, v in enumerate(values) if i not in tmpl.same_as]
-            return y, (kept, self._vary_state(new))
-
         def body(carry, xs):
             x, ring = carry
             p, st, on, i = xs
             # the cond returns values only: a cond returning the ring makes XLA copy it
-            y, (kept, new) = self._slot(on, lambda: real(p, x, st),
+            y, (kept, new) = self._slot(on, lambda: self.forward_layer(p, x, st),
                                         lambda: (x, (self._zeros(tmpl.stashed), st)))
             return (y, write_layer(ring, slot, i, kept)), new
 
@@ -208,7 +229,7 @@ class Chunk:
 
     def _pullback(self, p: list, stash: list):
         tmpl = self.tmpl
-        residuals = iter(tmpl.unstash(stash)[: len(tmpl.residuals)])
+        residuals = iter(tmpl.unstash(stash, self.vary)[: len(tmpl.residuals)])
         zeros = self._zeros([tmpl.split.eps_like[k] for k in sorted(set(tmpl.zero_at.values()))])
         zero = dict(zip(sorted(set(tmpl.zero_at.values())), zeros))
         count = len(tmpl.param_at) + len(tmpl.zero_at) + len(tmpl.residuals)
@@ -217,16 +238,16 @@ class Chunk:
                   for i in range(count)]
         return jax.tree.unflatten(tmpl.treedef, leaves)
 
-    def _input_grads(self, p: list, kept: list, g):
+    def input_grads(self, p: list, kept: list, g):
         """One layer's ``B``: its input gradient and the gradient at each use."""
         dx, d_uses = self._pullback(p, kept)(g)
         return jax.tree.map(self.vary, dx), [self.vary(d) for d in d_uses]
 
-    def _weight_grads(self, p: list, kept: list, d_uses: list) -> list:
+    def weight_grads(self, p: list, kept: list, d_uses: list) -> list:
         """One layer's ``W``: its weight gradients from its uses' operands (in ``kept``) and
         the gradients at the uses."""
         split_ = self.tmpl.split
-        operands = self.tmpl.unstash(kept)[len(self.tmpl.residuals):]
+        operands = self.tmpl.unstash(kept, self.vary)[len(self.tmpl.residuals):]
         _, pullback = jax.vjp(lambda q: split_.uses(q, operands, self.vary), p)
         return [self.vary(d) for d in pullback([d_uses[k] for k in split_.gradient_of])[0]]
 
@@ -240,7 +261,7 @@ class Chunk:
             g, uses = carry
             p, on, i = xs
             kept = read_layer(stash, read_slot, i)
-            dx, d = self._slot(on, lambda: self._input_grads(p, kept, g),
+            dx, d = self._slot(on, lambda: self.input_grads(p, kept, g),
                                lambda: (g, self._zeros(self.tmpl.uses)))
             return (dx, write_layer(uses, store_slot, i, d)), None
 
@@ -255,8 +276,8 @@ class Chunk:
         gradients consumed where they are made."""
 
         def real(p, kept, g):
-            dx, d_uses = self._input_grads(p, kept, g)
-            return dx, self._weight_grads(p, kept, d_uses)
+            dx, d_uses = self.input_grads(p, kept, g)
+            return dx, self.weight_grads(p, kept, d_uses)
 
         def body(g, xs):
             p, on, i = xs
@@ -274,7 +295,7 @@ class Chunk:
         def body(_, xs):
             p, on, i = xs
             kept, g = read_layer(stash, stash_slot, i), read_layer(uses, uses_slot, i)
-            return None, self._slot(on, lambda: self._weight_grads(p, kept, g),
+            return None, self._slot(on, lambda: self.weight_grads(p, kept, g),
                                     lambda: self._zeros(p))
 
         return lax.scan(body, None, (params, mask, _layers(params)))[1]

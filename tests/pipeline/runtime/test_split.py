@@ -10,6 +10,8 @@ from flax import nnx
 
 import parallax as px
 from parallax.models.gpt_pipeline import apply_block
+from parallax.pipeline.runtime.chunk import template
+from parallax.pipeline.runtime.constants import constant_outputs
 from parallax.pipeline.runtime.executed import executed_cost
 from parallax.pipeline.runtime.split import split
 
@@ -87,3 +89,23 @@ def test_a_layer_output_must_depend_on_its_input():
             "test: an output of Stages.stage(layer, x) depends on the layer's parameters "
             "only, not on x")):
         split(lambda p, x: p[0] * 2.0, [jnp.ones(3)], jnp.ones(3), "test")
+
+
+def test_what_no_input_makes_is_not_stashed():
+    """The attention's causal mask is a residual of the layer's vjp that no input flows
+    into: F keeps it out of the stash (every micro-batch and layer would write and read
+    the same mask), and B and W take the template's one value."""
+    layer, params, x, _ = gpt_block()
+    tmpl = template(lambda p, x, s: (layer(p, x), s), params, x, lambda v: v, None, "test")
+    masks = [v for v in tmpl.constants.values() if v.dtype == jnp.bool_]
+    assert masks and all(m.shape[-2:] == (64, 64) for m in masks)
+    assert all(jnp.issubdtype(a.dtype, jnp.floating) for a in tmpl.stashed)
+    assert len(tmpl.stashed) == len(tmpl.residuals) + len(tmpl.operands) - len(
+        tmpl.same_as) - len(tmpl.constants)
+
+
+def test_constant_outputs_follow_every_input():
+    def fn(x, y):
+        inner = jax.jit(lambda a: a * 2)(x)  # a nested jaxpr counts whole
+        return inner, jnp.arange(3) < 2, jnp.zeros(2), y[0], 5.0
+    assert constant_outputs(fn, jnp.ones(2), jnp.ones(2)) == {1, 2, 4}

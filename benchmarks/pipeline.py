@@ -18,6 +18,11 @@ of a forward scan, on the same model, mesh and batch, one run prints:
   does, loop bodies times their trip counts, and the runtime's guarded actions as often as
   the table runs them (XLA's own ``cost_analysis()`` counts a loop body once). ``bytes``
   is relative to the sequential program's bytes plus the permuted bytes;
+- ``own``: the runtime's own bytes overhead, relative to the same arithmetic on one device
+  plus the permuted bytes: for a schedule that splits the backward into ``B`` and ``W``,
+  the ``sequential split`` row (``px.pipeline.split_value_and_grad``: the same split, one
+  device, whole batch, whose ``W`` reads what ``B`` stored and the stashed operands again),
+  for the others the sequential program (``own`` = ``bytes``);
 - ``time``: the median step time relative to the sequential model (``jax.value_and_grad``
   of the same ``Stages`` loss, jitted on one device), timed alternately in one run.
 
@@ -136,6 +141,11 @@ def main(argv=None) -> int:
     seq_target = jax.device_put(target, device)
     seq_batch = jax.device_put(batch, device)
     sequential = jax.jit(jax.value_and_grad(loss)).lower(seq_target, seq_batch).compile()
+    singles = {"sequential": sequential}  # one-device programs, timed on one device
+    if any(t.split_backward for t in tables.values()):  # the split's own cost, no pipeline
+        split_remat = "never" if args.remat in ("always", "except_last") else args.remat
+        singles["sequential split"] = jax.jit(pp.split_value_and_grad(
+            loss, remat=split_remat)).lower(seq_target, seq_batch).compile()
     compiled = {}
     with jax.set_mesh(mesh):
         dist_target, dist_batch = placed(target), jax.device_put(batch)
@@ -147,26 +157,29 @@ def main(argv=None) -> int:
         jax.block_until_ready(fn(*xs))
         return time.perf_counter() - start
 
-    times = {name: [] for name in ["sequential", *compiled]}
-    for fn, xs in [(sequential, (seq_target, seq_batch))] + [
-            (c, (dist_target, dist_batch)) for c in compiled.values()]:
+    runs = {name: (c, (seq_target, seq_batch)) for name, c in singles.items()}
+    runs |= {name: (c, (dist_target, dist_batch)) for name, c in compiled.items()}
+    times = {name: [] for name in runs}
+    for fn, xs in runs.values():
         jax.block_until_ready(fn(*xs))  # warm up
     for _ in range(args.steps):  # alternate, so load changes hit every program alike
-        times["sequential"].append(timed(sequential, seq_target, seq_batch))
-        for name, c in compiled.items():
-            times[name].append(timed(c, dist_target, dist_batch))
+        for name, (fn, xs) in runs.items():
+            times[name].append(timed(fn, *xs))
     base = statistics.median(times["sequential"])
 
     seq_cost = executed_cost(sequential)
+    split_cost = executed_cost(singles["sequential split"]) if len(singles) > 1 else None
     print(f"\n{what}; {p} stages, {m} micro-batches of {args.batch // m}, remat={args.remat!r}; "
           f"sequential step: {seq_cost.flops / 1e9:.2f} GFLOP, {seq_cost.bytes / 1e9:.2f} GB")
     head = (f"{'schedule':<16}{'ticks':>6}{'bubble':>8}{'temp MB':>9}{'permute MB':>12}"
-            f"{'all-reduce MB':>15}{'flops':>7}{'bytes':>7}{'time':>7}")  # flops, bytes: 3 places
+            f"{'all-reduce MB':>15}{'flops':>7}{'bytes':>7}{'own':>7}{'time':>7}")  # 3 places
     print(head)
     print("-" * len(head))
-    seq_temp = hlo.memory(sequential).temp_bytes / 1e6
-    print(f"{'sequential':<16}{'':>6}{'':>8}{seq_temp:>9.2f}{0:>12.2f}{0:>15.2f}{1:>7.3f}"
-          f"{1:>7.3f}{1:>7.2f}")
+    for name, c in singles.items():
+        cost = executed_cost(c)
+        print(f"{name:<16}{'':>6}{'':>8}{hlo.memory(c).temp_bytes / 1e6:>9.2f}{0:>12.2f}"
+              f"{0:>15.2f}{cost.flops / seq_cost.flops:>7.3f}{cost.bytes / seq_cost.bytes:>7.3f}"
+              f"{1:>7.3f}{statistics.median(times[name]) / base:>7.2f}")
     remat_plan = args.remat if args.remat in ("always", "except_last") else "never"
     for name, c in compiled.items():
         found = hlo.collectives(c, mesh)
@@ -178,11 +191,13 @@ def main(argv=None) -> int:
         # autodiff's conditionals (first, last) at their most expensive branch
         cost = executed_cost(c, table_fractions(runtime_plan(sched, remat_plan))
                              if sched else None)
+        same = split_cost if sched and sched.split_backward else seq_cost  # its arithmetic
         print(f"{name:<16}{ticks:>6}{bubble:>8}{hlo.memory(c).temp_bytes / 1e6:>9.2f}"
               f"{permuted / 1e6:>12.2f}"
               f"{hlo.total_bytes(found, 'all-reduce') / 1e6:>15.2f}"
               f"{p * cost.flops / seq_cost.flops:>7.3f}"
               f"{p * cost.bytes / (seq_cost.bytes + p * permuted):>7.3f}"
+              f"{p * cost.bytes / (same.bytes + p * permuted):>7.3f}"
               f"{statistics.median(times[name]) / base:>7.2f}")
     print("\nticks, bubble: read from each schedule's table (f=1, b=2, so F = B = W = 1).")
     if "gpipe autodiff" in compiled:

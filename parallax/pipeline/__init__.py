@@ -21,7 +21,9 @@ a ``lax.scan`` over ticks); a pipelined loss is a :class:`Stages` value:
 
 Inside ``px.train_step``, the ``Pipeline`` strategy (``parallax.strategies.pipeline``) does
 the same from ``px.value_and_grad(loss)``; ``gpipe_value_and_grad`` is GPipe as a forward
-scan differentiated by autodiff.
+scan differentiated by autodiff, and ``split_value_and_grad`` the zero-bubble schedules'
+B/W split of the backward on one device, with no pipeline (a reference for what the split
+costs by itself).
 
 See ``docs/pipeline.md`` for the tick model, the runtime, the formulas and measurements.
 """
@@ -35,6 +37,8 @@ from parallax.pipeline.runtime.gpipe import gpipe_value_and_grad as gpipe_value_
 from parallax.pipeline.runtime.checks import POLICIES as POLICIES
 from parallax.pipeline.runtime.checks import REMAT as REMAT
 from parallax.pipeline.runtime.gradients import value_and_grad as value_and_grad
+from parallax.pipeline.runtime.sequential_split import (
+    split_value_and_grad as split_value_and_grad)
 from parallax.pipeline.schedules import SCHEDULES as SCHEDULES
 from parallax.pipeline.schedules import Action as Action
 from parallax.pipeline.schedules import Placement as Placement
@@ -62,6 +66,7 @@ __all__ = [
     "partition",
     "profile",
     "schedule",
+    "split_value_and_grad",
     "update",
     "value_and_grad",
 ]

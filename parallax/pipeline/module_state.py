@@ -36,6 +36,15 @@ def carries_state(target: Target | None) -> bool:
     return target is not None and target.is_module and bool(jax.tree.leaves(target.state))
 
 
+def stateless(target, api: str, why: str) -> Target:
+    """``Target.of(target)``, refusing a module with non-parameter state for a producer that
+    cannot carry it; ``why`` completes the message (why not, and what to use instead)."""
+    parts = Target.of(target)
+    if carries_state(parts):
+        raise ValueError(f"{api}: the model holds non-parameter state ({held(parts)}), {why}")
+    return parts
+
+
 def held(target: Target) -> str:
     """The first few paths of the state a module holds, for messages."""
     paths = target.stateful_paths() or ["/".join(map(str, p)) for p, _ in

@@ -24,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 from parallax import context
 from parallax.grad import split_target
 from parallax.microbatch import check_microbatches
-from parallax.mutable import Target
 from parallax.pipeline import module_state
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.checks import check_count, check_remat
@@ -74,13 +73,10 @@ def gpipe_value_and_grad(stages: Stages, *, microbatches: int, axis: str = "stag
                          "px.pipeline.value_and_grad(stages, 'gpipe', ...) or remat='always'")
 
     def fn(target, batch):
-        parts = Target.of(target)
-        if module_state.carries_state(parts):
-            raise ValueError(
-                f"{API}: the model holds non-parameter state ({module_state.held(parts)}), "
-                "which GPipe by autodiff cannot carry (its backward re-runs the forward); use "
-                "px.pipeline.value_and_grad(stages, 'gpipe', microbatches=..., "
-                "batch_stats='per_microbatch'), whose table runtime carries it")
+        module_state.stateless(
+            target, API, "which GPipe by autodiff cannot carry (its backward re-runs the "
+            "forward); use px.pipeline.value_and_grad(stages, 'gpipe', microbatches=..., "
+            "batch_stats='per_microbatch'), whose table runtime carries it")
         params, rebuild = split_target(target)
         return _gpipe(stages, params, rebuild, batch, microbatches, axis,
                       remat=mode == "always", policy=policy)

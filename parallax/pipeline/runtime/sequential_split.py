@@ -20,7 +20,6 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from parallax.mutable import Target
 from parallax.pipeline import module_state
 from parallax.pipeline.runtime.checks import check_remat
 from parallax.pipeline.runtime.chunk import Chunk, template
@@ -57,13 +56,10 @@ def split_value_and_grad(stages: Stages, *, remat: str = "never"):
         return x
 
     def fn(target, batch):
-        parts = Target.of(target)
-        if module_state.carries_state(parts):
-            raise ValueError(
-                f"{API}: the model holds non-parameter state ({module_state.held(parts)}); "
-                "this one-device reference runs stateless models only: measure the split "
-                "on a model without BatchNorm statistics or RNG streams, or train it with "
-                "px.pipeline.value_and_grad")
+        parts = module_state.stateless(
+            target, API, "which this one-device reference does not carry: measure the split "
+            "on a model without BatchNorm statistics or RNG streams, or train it with "
+            "px.pipeline.value_and_grad")
         prog = program(stages, parts.params, parts.rebuild, API)
         x, _ = prog.first(prog.others, [], batch)
         chunk = Chunk(prog.layer, template(prog.layer, [p[0] for p in prog.stacked], x,

@@ -50,7 +50,7 @@ def test_a_model_with_state_is_refused_and_keeps_it():
     model = Model()
     before = nnx.to_pure_dict(nnx.state(model))
     with pytest.raises(ValueError, match=r"px.pipeline.split_value_and_grad: the model holds "
-                       r"non-parameter state \(.*bn.*\); this one-device reference runs "
-                       r"stateless models only"):
+                       r"non-parameter state \(.*bn.*\), which this one-device reference "
+                       r"does not carry"):
         pp.split_value_and_grad(loss)(model, {"x": jnp.ones((8, 4))})
     assert relative_difference(nnx.to_pure_dict(nnx.state(model)), before) == 0

@@ -25,8 +25,8 @@ def constant_outputs(fn: Callable, *args) -> set[int]:
     """The positions of ``fn(*args)``'s flat outputs that no input flows into.
 
     Dataflow over the jaxpr: an equation's outputs depend on the inputs where any of its
-    operands does (an equation with a nested jaxpr counts whole, which can only call a
-    value dependent that is not, never the reverse).
+    operands does. An equation with a nested jaxpr counts whole: that can only take a
+    constant for dependent (and stash it), never the reverse.
 
     Example:
       >>> import jax.numpy as jnp

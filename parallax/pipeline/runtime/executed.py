@@ -209,8 +209,8 @@ def table_fractions(plan) -> Fractions:
     The guard of each kind of action (``pp_F``, ``pp_B``, ``pp_W``, ``pp_BW``: a ``while``
     of 0 or 1 trips) runs as often as the plan has cells of that kind; a flag's ``lax.cond``
     or guard inside one (``pp_first``, ``pp_last``, ``pp_remat``) as often as the cells of
-    that kind carry the flag. Any other conditional counts as its most expensive branch, any other
-    loop of unknown trip count once.
+    that kind carry the flag. Any other conditional counts as its most expensive branch,
+    any other loop of unknown trip count once.
     """
     kind = plan.kind
 

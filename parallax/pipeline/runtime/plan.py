@@ -69,7 +69,16 @@ class RuntimePlan(NamedTuple):
     capacity: dict  # ring name -> slots per stage (max over stages; SPMD shapes agree)
     mixed: dict  # (kind, flag) -> (some cell of the kind has it, some lacks it): static
     kinds: frozenset  # the action kinds any cell runs ("F", "B", "W", "BW"): static
-    spares: frozenset  # the rings with a spare row, which some executed write targets: static
+
+    @property
+    def spares(self) -> frozenset:
+        """The rings with a spare row, which some executed write targets: every tick's
+        arrivals (the inbox), and where ``mixed`` says only some forwards are
+        rematerialised, every F's write to the stash and to the inputs (the runtime then
+        writes both, one of them to the spare row: ``actions.forward``). Derived from
+        ``mixed``, as the runtime's writes are, so a widened plan has what it runs."""
+        remat_mixed = all(self.mixed["F", "remat"])
+        return frozenset({"inbox"} | ({"stash", "inputs"} if remat_mixed else set()))
 
     def rows(self, name: str) -> int:
         """The rows of ring ``name``: its slots, and its spare row if it has one."""
@@ -99,7 +108,6 @@ def widen(plans) -> list[RuntimePlan]:
     mixed = {key: tuple(any(p.mixed[key][i] for p in plans) for i in (0, 1))
              for key in plans[0].mixed}
     kinds = frozenset().union(*(p.kinds for p in plans))
-    spares = frozenset().union(*(p.spares for p in plans))
 
     def pad(a, fill):
         return np.concatenate([a, np.full((ticks - a.shape[0], a.shape[1]), fill, a.dtype)])
@@ -118,7 +126,7 @@ def widen(plans) -> list[RuntimePlan]:
                     for name, w in p.writes.items()},
             arrive={name: spare(a, inbox_old, capacity["inbox"])
                     for name, a in p.arrive.items()},
-            capacity=capacity, mixed=mixed, kinds=kinds, spares=spares))
+            capacity=capacity, mixed=mixed, kinds=kinds))
     return out
 
 
@@ -194,7 +202,7 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         capacity[name] = max(per_stage, default=0)
     capacity["inbox"] = int(arrays.inbox_capacity.max(initial=0))
     # ``capacity`` is the spare row: a write that goes nowhere goes there (an unexecuted
-    # one, or in a ring with a spare row, see ``spares`` below, an executed one).
+    # one, or in a ring with a spare row, ``RuntimePlan.spares``, an executed one).
     writes = {name: np.where(written[name], slots[name], capacity[name]).astype(np.int32)
               for name in rings}
     arrive = {channel: np.where(a >= 0, a, capacity["inbox"]).astype(np.int32)
@@ -219,10 +227,6 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         cells = kind == RUNTIME_CODES[kind_name]
         for name, flag in flags.items():
             mixed[kind_name, name] = (bool(flag[cells].any()), bool((~flag[cells]).any()))
-    # Executed writes to a spare row: every tick's arrivals (the inbox), and where only some
-    # forwards are rematerialised, every F's write to the stash and to the inputs (the
-    # runtime writes both, one of them to the spare row: actions.forward).
-    spares = {"inbox"} | ({"stash", "inputs"} if all(mixed["F", "remat"]) else set())
     return RuntimePlan(
         kind=kind,
         **{name: flag.astype(np.int32) for name, flag in flags.items()},
@@ -234,5 +238,4 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         capacity=capacity,
         mixed=mixed,
         kinds=frozenset(k for k, code in RUNTIME_CODES.items() if (kind == code).any()),
-        spares=frozenset(spares),
     )

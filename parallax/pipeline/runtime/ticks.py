@@ -205,8 +205,8 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
     threaded = carrier is not None and carrier.threaded
     slots = rings.slot_shapes(x_like, tmpl, stacked[0].shape[1], stacked, keep, s_live,
                               o_live, threaded)
-    state = rings.initial_state({name: plan.rows(name) for name in rings.RINGS}, slots, stacked, others, vary, s,
-                                M if keep else None)
+    rows = {name: plan.rows(name) for name in rings.RINGS}
+    state = rings.initial_state(rows, slots, stacked, others, vary, s, M if keep else None)
     if keep:
         state["live"], state["opt"] = list(stacked), list(opt)
     if carrier is not None:

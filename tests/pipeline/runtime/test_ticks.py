@@ -241,6 +241,9 @@ def test_only_rings_an_executed_write_can_miss_keep_a_spare_row():
     assert runtime_plan(sched, "always").spares == {"inbox"}
     widened = widen([never, mixed])
     assert all(w.spares == mixed.spares for w in widened)
+    # widened, plans that each remat all or none of their forwards mix them: F writes both
+    widened = widen([never, runtime_plan(sched, "always")])
+    assert all(w.spares == {"inbox", "stash", "inputs"} for w in widened)
 
 
 @pytest.mark.parametrize("remat", ["never", "always"])

@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import parallax as px
-    from parallax import layout, presets
+    from parallax import layout
+    from parallax.cli import presets
     from parallax.checkpoint.tree import to_nested
     from parallax.mesh import describe
 

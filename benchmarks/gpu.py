@@ -6,7 +6,7 @@ float32 parameters and AdamW, on one device: the same step written with ``px.tra
 (``px.DataParallel`` over a one-device mesh, ``px.value_and_grad``) and by hand (``jax.jit``
 of ``jax.value_and_grad`` and an optax update, donated state) are timed alternately (one
 call of each per round, medians). MFU is the model's flops per step (PaLM's ``6 N + 12 L T
-D`` per token) over the time and the chip's dense bf16 peak (``parallax.analysis.roofline``).
+D`` per token) over the time and the chip's dense bf16 peak (``parallax.planner.roofline``).
 ``px.explain`` predicts the step time from its roofline; the ratio measured / predicted is
 how far the step is from the roof. Then ``parallax bench comm`` runs on the devices present.
 Every result is appended to ``--results`` (``benchmarks/RESULTS.md``) with the date, the
@@ -78,7 +78,7 @@ def benchmark_model(name: str, args, device):
     from flax import nnx
 
     import parallax as px
-    from parallax.analysis import roofline
+    from parallax.planner import roofline
 
     config = getattr(px.models.GPTConfig, name)(dtype=jnp.bfloat16, param_dtype=jnp.float32)
     rows = args.batch or BATCH[name]

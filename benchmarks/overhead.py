@@ -45,11 +45,12 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import parallax as px
-    from parallax import batch as batch_lib
-    from parallax import context, presets
+    from parallax.step import batch as batch_lib
+    from parallax import context
+    from parallax.cli import presets
     from parallax.analysis import hlo
     from parallax.mesh import describe
-    from parallax.demo import batches, demo_tokens
+    from parallax.cli.demo import batches, demo_tokens
 
     config = getattr(px.models.GPTConfig, args.model)()
     axes, explicit = presets.parse(args.strategy, devices=jax.device_count())

@@ -14,7 +14,7 @@ of a forward scan, on the same model, mesh and batch, one run prints:
   outside the stack, summed over stages);
 - ``flops`` and ``bytes``: what the compiled program executes, summed over the stages,
   relative to the sequential program's (printed in the header):
-  ``parallax.pipeline.runtime.executed`` counts each instruction as XLA's cost analysis
+  ``parallax.analysis.executed`` counts each instruction as XLA's cost analysis
   does, loop bodies times their trip counts, and the runtime's guarded actions as often as
   the table runs them (XLA's own ``cost_analysis()`` counts a loop body once). ``bytes``
   is relative to the sequential program's bytes plus the permuted bytes;
@@ -86,13 +86,14 @@ def main(argv=None) -> int:
     import parallax as px
     from parallax import pipeline as pp
     from parallax.analysis import hlo
-    from parallax.pipeline.runtime.executed import executed_cost, table_fractions
+    from parallax.analysis.executed import executed_cost
+    from parallax.pipeline.runtime.guard_shares import table_fractions
     from parallax.pipeline.runtime.plan import runtime_plan
     from parallax.strategies.pipeline import Pipeline
 
     p, m = args.stages, args.microbatches
     if args.model == "gpt":
-        from parallax.demo import batches, demo_tokens
+        from parallax.cli.demo import batches, demo_tokens
         from parallax.models.gpt_pipeline import next_token_stages as loss
 
         config = px.models.GPTConfig.tiny(num_layers=2 * p)

@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import parallax as px
-    from parallax.analysis.candidates import SearchSpace
-    from parallax.demo import batches, demo_tokens
+    from parallax.planner.candidates import SearchSpace
+    from parallax.cli.demo import batches, demo_tokens
 
     space = SearchSpace(zero_stages=(1, 3), sequence_parallel=(False,), schedules=("1f1b",),
                         microbatches_per_stage=(2,), max_tensor=2, max_stages=2)

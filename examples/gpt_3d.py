@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import parallax as px
-    from parallax.demo import batches, demo_tokens
+    from parallax.cli.demo import batches, demo_tokens
 
     layers = 4 if args.schedule == "interleaved_1f1b" else 2  # 2 chunks on each of 2 stages
     config = px.models.GPTConfig.tiny(num_layers=layers)

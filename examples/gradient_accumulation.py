@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     import parallax as px
     from parallax.analysis import hlo
-    from parallax.demo import batches, demo_tokens
+    from parallax.cli.demo import batches, demo_tokens
 
     config = px.models.GPTConfig.tiny()
     mesh = px.make_mesh(data=jax.device_count())

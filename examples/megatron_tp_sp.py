@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     import parallax as px
     from parallax.analysis import tensor_traffic
-    from parallax.demo import batches, demo_tokens
+    from parallax.cli.demo import batches, demo_tokens
 
     n = jax.device_count()
     tensor = max(d for d in range(1, min(args.tensor, n) + 1) if n % d == 0)

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import parallax as px
-    from parallax.demo import batches, demo_tokens
+    from parallax.cli.demo import batches, demo_tokens
 
     s, m = args.stages, args.microbatches
     print(f"{'schedule':<18}{'ticks':>6}{'bubble':>8}{'classic':>9}{'peak in flight':>16}")

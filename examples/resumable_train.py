@@ -61,8 +61,8 @@ def main(argv=None) -> list[float]:
     from flax import nnx
 
     import parallax as px
-    from parallax import presets
-    from parallax.demo import demo_tokens
+    from parallax.cli import presets
+    from parallax.cli.demo import demo_tokens
 
     config = px.models.GPTConfig.tiny()
     axes, strategy = presets.parse(args.strategy, devices=jax.device_count())

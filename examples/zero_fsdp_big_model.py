@@ -42,8 +42,8 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import parallax as px
-    from parallax.analysis import predicted_memory, setting
-    from parallax.demo import batches, demo_tokens
+    from parallax.planner import predicted_memory, setting
+    from parallax.cli.demo import batches, demo_tokens
 
     device = jax.devices()[0]
     budget = args.memory_per_device or (

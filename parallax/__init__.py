@@ -18,17 +18,19 @@ from parallax import comm as comm
 from parallax import distributed as distributed
 from parallax import models as models
 from parallax import nn as nn
+from parallax import old_import_paths as _old_import_paths
 from parallax import pipeline as pipeline
+from parallax import planner as planner
 from parallax import ps as ps
 from parallax import rules as rules
 from parallax import testing as testing
 from parallax import tf as tf
+from parallax.activations import constrain as constrain
 from parallax.grad import value_and_grad as value_and_grad
 from parallax.mesh import make_hybrid_mesh as make_hybrid_mesh
 from parallax.mesh import make_mesh as make_mesh
-from parallax.activations import constrain as constrain
-from parallax.analysis.auto import plan as plan
-from parallax.analysis.explain import explain as explain
+from parallax.planner.choose import plan as plan
+from parallax.planner.explain import explain as explain
 from parallax.state import TrainState as TrainState
 from parallax.step import TrainStep as TrainStep
 from parallax.step import init as init
@@ -47,6 +49,8 @@ from parallax.strategy import Strategy as Strategy
 from parallax.strategy import compose as compose
 
 __version__ = "0.1.0"
+
+_old_import_paths.install()  # scripts written against pre-round-3 paths keep running
 
 __all__ = [
     "BucketedSync",
@@ -74,6 +78,7 @@ __all__ = [
     "models",
     "nn",
     "pipeline",
+    "planner",
     "ps",
     "plan",
     "rules",

@@ -5,6 +5,11 @@ inside a model (``px.constrain`` on an activation) and ``px.value_and_grad`` can
 the strategy and which mesh axes are manual (inside ``shard_map``) without being passed them.
 It is scoped like ``jax.set_mesh`` or ``nnx.logical_axis_rules``: a ``ContextVar`` set on entry
 and restored on exit, never a module-level global that outlives the ``with`` block.
+
+:func:`binding` is that scoping, parallax's one way to scope state: the step context, the
+finite-check records and TF's replica and scope contexts are each a ``ContextVar`` that a
+``with`` block sets and restores, so nested and concurrent (thread, asyncio) uses never see
+each other's values.
 """
 
 from __future__ import annotations
@@ -12,11 +17,34 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+from collections.abc import Iterator
+from typing import TypeVar
 
 from jax.sharding import Mesh
 
-from parallax.context_binding import binding
 from parallax.strategy import Strategy
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def binding(var: contextvars.ContextVar, value: T) -> Iterator[T]:
+    """Sets ``var`` to ``value`` inside the block, restores it after (also on error).
+
+    Example:
+      >>> import contextvars
+      >>> depth = contextvars.ContextVar("depth", default=0)
+      >>> with binding(depth, 1):
+      ...     depth.get()
+      1
+      >>> depth.get()
+      0
+    """
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ A strategy's rules give each parameter a base ``PartitionSpec`` (tensor parallel
 ``parallax.strategies.zero``) then picks one more dimension per leaf to shard over its axis.
 The same choice applies to the parameter (stage 3), its gradient (stage 2+) and its
 optimizer moments (stage 1+), so the three always line up. The batch's layout is
-:mod:`parallax.batch`.
+:mod:`parallax.step.batch`.
 
 Training states come in several shapes. The parameters are found at a known place:
 

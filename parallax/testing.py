@@ -29,9 +29,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from parallax.grad import value_and_grad
+from parallax.grad.gradients import value_and_grad
 from parallax.state import TrainState
-from parallax.step import init, train_step
+from parallax.step.placement import init
+from parallax.step.spmd_step import train_step
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import optax
 from flax import nnx
 
 import parallax as px
-from parallax.demo import batches, demo_tokens
+from parallax.cli.demo import batches, demo_tokens
 
 STEPS = 5
 GPT_CONFIG = px.models.GPTConfig.tiny()

@@ -21,7 +21,7 @@ from flax import nnx
 import parallax as px
 import parallax.horovod as hvd
 from parallax import comm
-from parallax.analysis import memory
+from parallax.planner import zero_memory
 from parallax.strategies.tensor_plan import TensorPlan
 
 MESH = px.make_mesh(data=8)
@@ -417,7 +417,7 @@ CASES = [
      stateful_step(px.compose(DP, px.Strategy(name="Rebuilding()", grad_fn=rebuilding))), V,
      r"Rebuilding\(\) produces gradients by rebuilding the model from its parameters alone "
      r"\(GradRequest.rebuild\), which drops the module's non-parameter state: the model holds "
-     r".*bn/mean.*return a parallax.local_loss.LocalResult as its aux, as px.Pipeline does"),
+     r".*bn/mean.*return a parallax.grad.slice_loss.LocalResult as its aux, as px.Pipeline does"),
     ("grad", "whole-batch BatchNorm statistics under px.Pipeline", pipelined_batch_norm, V,
      r"px.Pipeline: batch_stats='global' asks for BatchNorm statistics over the whole batch "
      r"before the next layer runs.*pass batch_stats='per_microbatch' to px.value_and_grad"),
@@ -441,12 +441,12 @@ CASES = [
      r"finite \(or its check failed\)"),
     # analysis
     ("analysis", "ZeRO's formula over zero shards",
-     lambda _: memory.zero_state_bytes(10**6, 1, 0), V,
+     lambda _: zero_memory.zero_state_bytes(10**6, 1, 0), V,
      r"zero_state_bytes: shards=0 must be a positive int"),
-    ("analysis", "ZeRO stage 5", lambda _: memory.zero_model_states_bytes(10**6, 5, 8), V,
+    ("analysis", "ZeRO stage 5", lambda _: zero_memory.zero_model_states_bytes(10**6, 5, 8), V,
      r"zero_model_states_bytes: stage=5 must be 0 \(no ZeRO\), 1, 2 or 3"),
     ("analysis", "a negative parameter count",
-     lambda _: memory.zero_gradient_bytes(-1, 2, 8), V,
+     lambda _: zero_memory.zero_gradient_bytes(-1, 2, 8), V,
      r"zero_gradient_bytes: num_params=-1 must be a non-negative number"),
     # models
     ("models", "a width the heads do not divide",

@@ -138,9 +138,9 @@ def test_bytes_equal_the_megatron_formula(name):
     measured = traffic.measured_traffic(compiled, mesh, batch)
     expected = traffic.megatron_traffic(CONFIG, batch, T, sequence_parallel=sp)
     if name.startswith("gspmd") and sp:  # reduce-scatters compiled as all-reduces on CPU
-        measured = traffic.Traffic(all_gather=measured.all_gather,
+        measured = traffic.TensorTraffic(all_gather=measured.all_gather,
                               all_reduce=measured.all_reduce + measured.reduce_scatter)
-        expected = traffic.Traffic(all_gather=expected.all_gather,
+        expected = traffic.TensorTraffic(all_gather=expected.all_gather,
                               all_reduce=expected.all_reduce + expected.reduce_scatter)
     assert measured == expected
 

@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from parallax import layout
-from parallax.analysis import hlo, memory
+from parallax.analysis import hlo
+from parallax.planner import zero_memory
 
 SHARDS = 8
 
@@ -65,7 +66,7 @@ def test_every_leaf_has_the_sharding_its_stage_promises(zero_run):
 
 def test_state_bytes_per_device_match_the_zero_formula(zero_run):
     stage, _, _, _, new_state, _, compiled, batch = zero_run
-    predicted = memory.zero_state_bytes(num_params(new_state), stage, SHARDS)
+    predicted = zero_memory.zero_state_bytes(num_params(new_state), stage, SHARDS)
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(new_state))
     assert abs(held - predicted) <= 0.05 * predicted
     batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batch)) / SHARDS
@@ -108,7 +109,7 @@ def test_gpt_state_is_created_sharded_and_matches_the_formula():
     n = num_params(state)
     assert n == px.models.param_count(fx.GPT_CONFIG)
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
-    predicted = memory.zero_state_bytes(n, 3, SHARDS)
+    predicted = zero_memory.zero_state_bytes(n, 3, SHARDS)
     assert abs(held - predicted) <= 0.05 * predicted
     # Stacked layers keep their layer axis whole: ZeRO shards another dimension.
     kernel = state.params["blocks"]["mlp"]["fc"]["kernel"][...]

@@ -82,7 +82,7 @@ class PipelineBranches:
     stage" (head and loss) hold for ``1 / (stages x virtual_stages)`` of them on average
     over the stages; inside the input-gradient backward, "rematerialised" (the forward
     recomputed) for ``remat_fraction``. Counts are therefore per device *on average over
-    the stage axis*. (``parallax.pipeline.runtime.executed.table_fractions`` answers the
+    the stage axis*. (:func:`parallax.pipeline.runtime.guard_shares.table_fractions` answers the
     same question exactly, from the schedule's table.)
 
     Called as ``fractions(op_name, branches)``: for a guarded loop (``branches == 0``)

@@ -23,7 +23,7 @@ from parallax.analysis import hlo
 
 
 @dataclasses.dataclass(frozen=True)
-class Traffic:
+class TensorTraffic:
     """Message bytes per step over the tensor axis, by collective (nccl-tests' "size").
 
     ``wire_bytes(n)`` is what each device sends on a ring of ``n``: ``2 (n-1)/n`` of an
@@ -45,7 +45,7 @@ class Traffic:
 
 
 def megatron_traffic(config, batch: int, seq_len: int | None = None, *,
-                     sequence_parallel: bool = False) -> Traffic:
+                     sequence_parallel: bool = False) -> TensorTraffic:
     """What the Megatron papers say a GPT training step sends over the tensor axis.
 
     Per layer, attention and MLP each need one all-reduce of the ``[B, T, D]`` activations
@@ -65,7 +65,7 @@ def megatron_traffic(config, batch: int, seq_len: int | None = None, *,
       sequence_parallel: with sequence parallelism.
 
     Returns:
-      A :class:`Traffic`.
+      A :class:`TensorTraffic`.
 
     Example:
       >>> import parallax as px
@@ -82,8 +82,8 @@ def megatron_traffic(config, batch: int, seq_len: int | None = None, *,
     act = tokens * config.embed_dim * jnp.dtype(config.dtype).itemsize
     loss = 3 * tokens * 4
     if not sequence_parallel:
-        return Traffic(all_reduce=(4 * layers + 2) * act + loss)
-    return Traffic(all_reduce=act + loss, all_gather=(4 * layers + 2) * act,
+        return TensorTraffic(all_reduce=(4 * layers + 2) * act + loss)
+    return TensorTraffic(all_reduce=act + loss, all_gather=(4 * layers + 2) * act,
                    reduce_scatter=(4 * layers + 1) * act)
 
 
@@ -114,7 +114,7 @@ def _array_bytes(c: hlo.Collective, dtype: str, shape) -> int:
     return int(size * (c.group_size if c.kind == "reduce-scatter" else 1))
 
 
-def measured_traffic(compiled, mesh, batch: int, axis: str = "tensor") -> Traffic:
+def measured_traffic(compiled, mesh, batch: int, axis: str = "tensor") -> TensorTraffic:
     """The activation traffic of a compiled step over ``axis``, comparable to the formula.
 
     Counts every array moved over ``axis`` whose leading dimension is ``batch`` (the
@@ -127,4 +127,4 @@ def measured_traffic(compiled, mesh, batch: int, axis: str = "tensor") -> Traffi
         for dtype, shape in zip(c.dtypes, c.shapes):
             if c.kind in totals and len(shape) >= 2 and shape[0] == batch:
                 totals[c.kind] += c.count * _array_bytes(c, dtype, shape)
-    return Traffic(totals["all-reduce"], totals["all-gather"], totals["reduce-scatter"])
+    return TensorTraffic(totals["all-reduce"], totals["all-gather"], totals["reduce-scatter"])

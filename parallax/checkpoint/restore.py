@@ -35,7 +35,7 @@ from parallax.checkpoint.tree import (
     nest,
     restored_state,
 )
-from parallax.step import checked_strategy
+from parallax.step.placement import checked_strategy
 from parallax.strategy import Strategy
 
 

@@ -14,8 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallax.vma import to_varying as to_varying  # re-exported for the algorithms
-
 COMBINE = {"sum": lax.add, "mean": lax.add, "max": lax.max, "min": lax.min, "prod": lax.mul}
 
 

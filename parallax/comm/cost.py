@@ -75,6 +75,11 @@ PRESETS: dict[str, Link] = {
         "fitted with fit_link() to ring all-reduce times (1 KiB..4 MiB) from "
         "benchmarks/comm_sweep.py on 8 simulated CPU devices sharing 2 cores (the "
         "development machine): 250 us per step, 0.35 GB/s; only meaningful there."),
+    "cpu-sim-xla": Link(
+        "cpu-sim-xla", 45e-6, 1.5e9,
+        "fitted with fit_link() to XLA's own all-reduce (psum, 256 B .. 4 MiB) on 8 "
+        "simulated CPU devices sharing 2 cores (the development machine): 45 us per step, "
+        "1.5 GB/s; 'cpu-sim' fits parallax's ring of ppermutes instead."),
 }
 
 
@@ -91,14 +96,26 @@ def preset(name: str | Link) -> Link:
         ) from None
 
 
-def default_link(backend: str | None = None) -> Link:
-    """The preset assumed for a backend: gpu -> nvlink-h100, tpu -> tpu-v5e-ici, else cpu-sim."""
+def default_link(backend: str | None = None, *, xla: bool = False) -> Link:
+    """The preset assumed for a backend (the current one when None): gpu -> nvlink-h100,
+    tpu -> tpu-v5e-ici, else cpu-sim.
+
+    ``xla=True`` prices XLA's own collectives (``psum``, the all-gathers GSPMD inserts)
+    rather than parallax's point-to-point algorithms. The two differ only on simulated CPU
+    devices, where XLA's all-reduce is one in-process step ('cpu-sim-xla') and a ring of
+    ``ppermute``s pays per step ('cpu-sim'); on a GPU or TPU both use the same link.
+
+    Example:
+      >>> default_link("cpu").name, default_link("cpu", xla=True).name, default_link("gpu").name
+      ('cpu-sim', 'cpu-sim-xla', 'nvlink-h100')
+    """
     if backend is None:
         import jax
 
         backend = jax.default_backend()
+    cpu = "cpu-sim-xla" if xla else "cpu-sim"
     return PRESETS[{"gpu": "nvlink-h100", "cuda": "nvlink-h100", "rocm": "nvlink-h100",
-                    "tpu": "tpu-v5e-ici"}.get(backend, "cpu-sim")]
+                    "tpu": "tpu-v5e-ici"}.get(backend, cpu)]
 
 
 def tree_rounds_count(n: int) -> int:

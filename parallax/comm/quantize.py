@@ -34,7 +34,8 @@ import numpy as np
 from jax import lax
 
 from parallax.comm import checks
-from parallax.comm._chunks import join_flat, split_flat, to_varying
+from parallax.comm._chunks import join_flat, split_flat
+from parallax.comm.varying import to_varying
 
 
 def quantize_int8(x, block_size: int = 256):

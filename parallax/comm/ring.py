@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallax.comm import checks
-from parallax.comm._chunks import (
-    COMBINE, finish, put, ring_perm, split_dim, split_flat, join_flat, take, to_varying,
-)
+from parallax.comm._chunks import (COMBINE, finish, join_flat, put, ring_perm, split_dim,
+                                   split_flat, take)
+from parallax.comm.varying import to_varying
 from parallax.comm.compress import Wire, as_compression, ppermute_wire
 
 

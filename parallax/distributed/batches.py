@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from parallax import batch as batch_lib
+from parallax.step import batch as batch_lib
 from parallax.mesh import axes_text, axis_size, describe
 from parallax.strategy import Strategy
 

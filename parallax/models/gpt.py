@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from parallax import context, finite
+from parallax import context
+from parallax.step import finite_check
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.layers import (
     CausalSelfAttention,
@@ -174,7 +175,7 @@ class GPT(nnx.Module):
         # An id outside the vocabulary reads a NaN row (jnp.take's fill): with
         # px.train_step(check_finite=True) the step names this check instead of the NaN.
         vocab = self.config.vocab_size
-        finite.require(f"GPT.embed: token ids within [0, {vocab})",
+        finite_check.require(f"GPT.embed: token ids within [0, {vocab})",
                        lambda: ((tokens >= 0) & (tokens < vocab)).all())
         x = jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:seq]
         # Under sequence parallelism: all-reduce the vocabulary-parallel lookup, then split

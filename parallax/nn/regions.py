@@ -56,7 +56,7 @@ import jax
 from jax import lax
 
 from parallax import comm
-from parallax.vma import to_varying, varying_axes
+from parallax.comm.varying import to_varying, varying_axes
 
 __all__ = [
     "axis_index",

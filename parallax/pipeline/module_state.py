@@ -24,11 +24,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from parallax import mutable
-from parallax.mutable import StateOptions, Target
+from parallax.grad import module_state
+from parallax.grad.module_state import StateOptions, Target
 from parallax.pipeline.runtime.stage_state import StateRun
-from parallax.rng import Position, is_key
-from parallax.vma import varying_axes
+from parallax.grad.sliced_rng import Position, is_key
+from parallax.comm.varying import varying_axes
 
 
 def carries_state(target: Target | None) -> bool:
@@ -76,7 +76,7 @@ def rebuild_for(target: Target, options: StateOptions) -> Callable:
 
     def rebuild(params, state):
         module = target.module(params, state)
-        mutable.prepare(module, options, ())
+        module_state.prepare(module, options, ())
         return module
 
     return rebuild

@@ -8,7 +8,7 @@ strategy in context (equal settings compare equal, so equal strategies still com
 An NNX module's non-parameter state (BatchNorm statistics, RNG streams) is read from the
 request's slice loss (``GradRequest.value_and_grad``: the split module, its state, the
 slice's position, the ``batch_stats`` / ``rng`` options), carried through the schedule by
-the runtime, and returned in a :class:`parallax.local_loss.LocalResult`, which
+the runtime, and returned in a :class:`parallax.grad.slice_loss.LocalResult`, which
 ``px.value_and_grad`` reduces over the batch shards and writes back as without a pipeline
 (:mod:`parallax.pipeline.module_state` says what is supported).
 """
@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 from parallax import context
-from parallax.local_loss import LocalResult
+from parallax.grad.slice_loss import LocalResult
 from parallax.pipeline import module_state
 from parallax.pipeline.runtime.gradients import pipeline_grads
 from parallax.pipeline.stages import Stages

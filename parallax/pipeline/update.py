@@ -24,8 +24,8 @@ from __future__ import annotations
 from flax import nnx
 
 from parallax import context
-from parallax.grad import value_and_grad
-from parallax.mutable import StateOptions, Target
+from parallax.grad.gradients import value_and_grad
+from parallax.grad.module_state import StateOptions, Target
 from parallax.pipeline import module_state
 from parallax.pipeline.producer import FROM_UPDATE, PipelineProducer
 from parallax.pipeline.runtime.gradients import pipeline_update

@@ -24,7 +24,7 @@ from parallax.ps.keys import MAX_KEY as MAX_KEY  # noqa: E402
 from parallax.ps.keys import KeyRange as KeyRange  # noqa: E402
 from parallax.ps.keys import server_key_ranges as server_key_ranges  # noqa: E402
 from parallax.ps.optax_handle import OptaxHandle as OptaxHandle  # noqa: E402
-from parallax.lazy_names import loader  # noqa: E402
+from parallax.ps.lazy_names import loader  # noqa: E402
 
 # Names whose modules import ray: loaded on first use.
 _LAZY = {

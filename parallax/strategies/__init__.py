@@ -15,7 +15,7 @@ ZeRO 1/2/3, FSDP, HSDP   zero.py               ZeroSharding: shard dim,      tes
 tensor and sequence      tensor.py,            rules and MegatronCheck;      test_tensor_parallel,
 (Megatron)               tensor_plan.py,       parallax.nn layers; traffic   nn/, byom/
                          tensor_sequence.py    in analysis.tensor_traffic
-gradient accumulation    accumulate.py         parallax.microbatch           test_equivalence
+gradient accumulation    accumulate.py         parallax.grad.microbatches           test_equivalence
 pipeline (GPipe, 1F1B,   pipeline.py           parallax.pipeline: schedules, test_pipeline_strategy,
 interleaved, ZB, V)                            runtime, weight versions      pipeline/
 =======================  ====================  ============================  ==================

@@ -1,12 +1,12 @@
 """Gradient accumulation: split each device's batch into micro-batches, sum their gradients.
 
-The mechanism (the split and the ``lax.scan``) is :mod:`parallax.microbatch`, which
+The mechanism (the split and the ``lax.scan``) is :mod:`parallax.grad.microbatches`, which
 ``px.value_and_grad(microbatches=k)`` and the pipelines use too.
 """
 
 from __future__ import annotations
 
-from parallax.microbatch import accumulate, check_microbatches
+from parallax.grad.microbatches import accumulate, check_microbatches
 from parallax.strategy import Strategy
 
 

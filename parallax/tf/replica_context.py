@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallax.context_binding import binding
+from parallax.context import binding
 from parallax.tf.reduce_op import as_reduce_op
 
 

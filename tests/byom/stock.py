@@ -7,7 +7,7 @@ import optax
 from flax import nnx
 
 import parallax as px
-from parallax.rng import is_key
+from parallax.grad.sliced_rng import is_key
 
 STEPS = 5
 TX = optax.sgd(0.1, momentum=0.9)  # momentum SGD: see docs/design.md, "Equivalence metric"

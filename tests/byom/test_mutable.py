@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from parallax.rng import is_key
+from parallax.grad.sliced_rng import is_key
 
 from .stock import key_data
 

@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from parallax import cli, demo
+from parallax import cli
+from parallax.cli import demo
 
 
 def test_the_demo_takes_a_checkpoint_directory():

@@ -73,3 +73,6 @@ def test_default_link_by_backend():
     assert cost.default_link("gpu").name == "nvlink-h100"
     assert cost.default_link("tpu").name == "tpu-v5e-ici"
     assert cost.default_link("cpu").name == "cpu-sim"
+    # XLA's own collectives: one in-process step on simulated CPU devices, the same link elsewhere
+    assert cost.default_link("cpu", xla=True).name == "cpu-sim-xla"
+    assert cost.default_link("gpu", xla=True).name == "nvlink-h100"

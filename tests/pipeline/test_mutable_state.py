@@ -20,8 +20,8 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from parallax import rng
-from parallax.rng import Position, is_key
+from parallax.grad import sliced_rng
+from parallax.grad.sliced_rng import Position, is_key
 
 D, LAYERS, M, STEPS = 8, 4, 4, 3
 TX = optax.sgd(0.1)
@@ -99,11 +99,11 @@ def loop_reference(shards=1, norm=True, dropout_seed=1):
             state = rest
             for m in range(M):
                 micro = jax.tree.map(lambda x: np.split(x, M)[m], rows)
-                state = rng.slice_keys(state, Position(d, shards), micro["x"].shape[0],
+                state = sliced_rng.slice_keys(state, Position(d, shards), micro["x"].shape[0],
                                        "global")
                 model = nnx.merge(graphdef, params, state)
                 value, g = nnx.value_and_grad(STAGES)(model, micro)
-                state = rng.unslice_keys(nnx.state(model, nnx.Not(nnx.Param)))
+                state = sliced_rng.unslice_keys(nnx.state(model, nnx.Not(nnx.Param)))
                 loss += value / (shards * M)
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
             after.append(state)

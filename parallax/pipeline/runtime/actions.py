@@ -23,7 +23,7 @@ Whether a cell is on the first or last virtual stage is a ``lax.cond`` inside it
 (``pp_first``, ``pp_last``), which returns values only (an activation, gradients of the
 parameters outside the stack); a rematerialised ``B``'s recomputation writes the stash
 ring, so it is a guard too (``pp_remat``). Each is there only where the table mixes both
-cases; a reader of the compiled program (:mod:`parallax.pipeline.runtime.executed`) finds
+cases; a reader of the compiled program (:mod:`parallax.analysis.executed`) finds
 them by these names.
 """
 

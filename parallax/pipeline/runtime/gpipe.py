@@ -22,14 +22,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from parallax import context
-from parallax.grad import split_target
-from parallax.microbatch import check_microbatches
+from parallax.grad.gradients import split_target
+from parallax.grad.microbatches import check_microbatches
 from parallax.pipeline import module_state
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.checks import check_count, check_remat
 from parallax.pipeline.runtime.layer_moves import check_layers
 from parallax.pipeline.stages import Stages, program
-from parallax.vma import varying_axes
+from parallax.comm.varying import varying_axes
 
 API = "px.pipeline.gpipe_value_and_grad"
 

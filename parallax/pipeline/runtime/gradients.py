@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from parallax import context
-from parallax.grad import split_target
-from parallax.microbatch import check_microbatches
-from parallax.mutable import StateOptions, Target
+from parallax.grad.gradients import split_target
+from parallax.grad.microbatches import check_microbatches
+from parallax.grad.module_state import StateOptions, Target
 from parallax.pipeline import module_state
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.optimizer import part_optimizer, replace_leaves
@@ -25,7 +25,7 @@ from parallax.pipeline.runtime.checks import (POLICIES, REMAT, check_balance, ch
                                               layout_for, resolve_schedule)
 from parallax.pipeline.schedules.table import Schedule
 from parallax.pipeline.stages import Stages, program
-from parallax.rng import WHOLE
+from parallax.grad.sliced_rng import WHOLE
 
 __all__ = ["POLICIES", "REMAT", "pipeline_grads", "pipeline_update", "value_and_grad"]
 API = "px.pipeline.value_and_grad"

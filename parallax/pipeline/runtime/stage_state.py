@@ -19,7 +19,7 @@ micro-batches in order leaves:
   starts from the incoming state and draws micro-batch ``m``'s rows of one device's draw over
   the whole batch (``Position(m, M)`` inside the batch shard's position); floating state is
   averaged over the micro-batches, integers and keys are the (equal) last ones, as
-  :func:`parallax.aux.over_microbatches` does without a pipeline.
+  :func:`parallax.grad.aux_outputs.over_microbatches` does without a pipeline.
 
 Keys travel as their integer data (``jax.random.key_data``): rings, chunk moves and
 collectives then carry plain arrays; a forward pass draws from a key but never moves it.
@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallax import rng
+from parallax.grad import sliced_rng
 from parallax.pipeline.schedules.action import Action
-from parallax.rng import Position
+from parallax.grad.sliced_rng import Position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class StateRun:
     Attributes:
       threaded: ``batch_stats="per_microbatch"``: the state is threaded through the
         micro-batches in order; otherwise every micro-batch starts from the incoming state.
-      rng: ``"global"`` or ``"per_shard"`` (:func:`parallax.rng.slice_keys`).
+      rng: ``"global"`` or ``"per_shard"`` (:func:`parallax.grad.sliced_rng.slice_keys`).
       index: the batch shard's index (``lax.axis_index`` of the batch axes, or 0).
       shards: the number of batch shards.
     """
@@ -59,12 +59,12 @@ class StateRun:
 
 
 def _impl(x):
-    return jax.random.key_impl(x) if rng.is_key(x) else None
+    return jax.random.key_impl(x) if sliced_rng.is_key(x) else None
 
 
 def encode(leaves: list) -> list:
     """Key leaves as their integer data; other leaves as they are."""
-    return [jax.random.key_data(x) if rng.is_key(x) else x for x in leaves]
+    return [jax.random.key_data(x) if sliced_rng.is_key(x) else x for x in leaves]
 
 
 class Carrier:
@@ -96,7 +96,7 @@ class Carrier:
         where = Position(index, self.run.shards)
         if not self.threaded:  # micro-batch m: block m of this shard's rows
             where = where.refine(jnp.asarray(m, jnp.uint32), self.M)
-        return rng.slice_keys(leaves, where, self.rows, self.run.rng)
+        return sliced_rng.slice_keys(leaves, where, self.rows, self.run.rng)
 
     def _encode(self, new: list, raw_in: list, impls: list) -> list:
         # keys are restored (a forward draws from them, it does not move them)
@@ -141,7 +141,7 @@ class Carried(NamedTuple):
 
 def decode_like(raw: list, like: list) -> list:
     """The state after a step from its raw leaves: keys are the incoming ones (unmoved)."""
-    return [old if rng.is_key(old) else x for x, old in zip(raw, like)]
+    return [old if sliced_rng.is_key(old) else x for x, old in zip(raw, like)]
 
 
 def initial(stacked: list, others: list, threaded: bool, vary) -> dict:

@@ -54,7 +54,7 @@ from parallax.pipeline.runtime.chunk import Chunk, template
 from parallax.pipeline.runtime.plan import RUNTIME_CODES, RuntimePlan, runtime_plan
 from parallax.pipeline.schedules.table import Schedule
 from parallax.pipeline.stages import Program
-from parallax.vma import to_varying, varying_axes
+from parallax.comm.varying import to_varying, varying_axes
 
 
 def caster(axes: frozenset):

@@ -25,7 +25,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from parallax.demo import batches, demo_tokens  # noqa: E402
+from parallax.cli.demo import batches, demo_tokens  # noqa: E402
 
 TOLERANCE = 1e-6
 GPT = px.models.GPTConfig.tiny()

@@ -12,7 +12,7 @@ import parallax as px
 from parallax.models.gpt_pipeline import apply_block
 from parallax.pipeline.runtime.chunk import template
 from parallax.pipeline.runtime.constants import constant_outputs
-from parallax.pipeline.runtime.executed import executed_cost
+from parallax.analysis.executed import executed_cost
 from parallax.pipeline.runtime.split import split
 
 

@@ -1,0 +1,257 @@
+"""``px.explain``: what a train step will hold, send, compute and cost, predicted and measured.
+
+The prediction comes from the published formulas (ZeRO's memory, Megatron's traffic, the
+pipeline schedule's bubble and peak in flight: :mod:`parallax.planner.predicted_memory`
+and :mod:`parallax.planner.predicted_traffic`) applied to the step's mesh, strategy,
+state and batch; the measurement from the compiled program (the shardings XLA gave every
+argument, ``memory_analysis()``, the collectives and matmuls of the partitioned HLO with
+their loop counts: :mod:`parallax.analysis.program`). The estimated step time is a roofline
+(:mod:`parallax.planner.roofline`) with the links of ``parallax.comm.cost``. Each row shows
+both values and their ratio, and is flagged when they differ by more than 10%, with the
+reason when it is known. See ``docs/explain.md``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from parallax.analysis import hlo, program
+from parallax.planner import roofline
+from parallax.planner import predicted_memory as pm
+from parallax.planner import predicted_traffic as pt
+from parallax.planner.report import Report, Row
+from parallax.planner.setting import StepSetting, read_setting
+from parallax.comm import cost
+from parallax.mesh import describe
+from parallax.models.gpt_config import GPTConfig
+from parallax.step.spmd_step import TrainStep
+
+API = "px.explain"
+MEMORY, TRAFFIC, COMPUTE, TIME = ("memory per device", "collectives per step", "compute",
+                                  "time per step")
+REASONS = {
+    "temporaries": "XLA's buffer assignment: fused or recomputed intermediates, optimizer "
+                   "temporaries and copies; the formula counts only what autodiff saves",
+    "peak": "the temporaries' disagreement (above)",
+    "matmul flops": "XLA recomputes or simplifies some matmuls (rematerialisation, "
+                    "constant folding); the formula counts 6 N + 12 L T D per token",
+    "pipeline W": "the pipeline runtime's weight-gradient action (W) recomputes each layer's "
+                  "internal backward that B computed (attention, inner input gradients and "
+                  "their tensor-parallel all-reduces); the formula counts one backward",
+    "pipeline buffers": "the pipeline runtime's rings (received activations and gradients, "
+                        "stashed residuals: their slots, plus a spare row where a write may "
+                        "go nowhere) and accumulators",
+    "step time": "a roofline is a lower bound: kernels reach a fraction of peak (the MFU), "
+                 "dispatch and synchronisation add time; on simulated CPU devices 8 devices "
+                 "share the host's cores",
+}
+
+
+def _measured_gradients(found, counts, setting: StepSetting) -> float | None:
+    """Bytes of gradients a device holds after the sync: the largest total result of the
+    reducing collectives over one group of batch axes (scalars left out). None when no
+    collective reduces them (one device, or a point-to-point sync's exchanges)."""
+    batch = set(setting.batch_axes)
+    groups: dict[tuple, float] = {}
+    for c in found:
+        if (c.kind in ("all-reduce", "reduce-scatter") and c.axes and set(c.axes) <= batch
+                and c.result_bytes > 8):
+            runs = counts.get(c.computation, c.count)
+            groups[c.axes] = groups.get(c.axes, 0.0) + runs * (c.result_bytes - 8)
+    return max(groups.values()) if groups else None
+
+
+def _memory_rows(s: StepSetting, compiled, state, batch, found, counts) -> list[Row]:
+    predicted = pm.state_bytes(s)
+    state_bytes, batch_bytes = program.argument_bytes(compiled, (state, batch))
+    measured = {"param": 0, "opt": 0, "other": 0}
+    for leaf, nbytes in zip(s.leaves, state_bytes):
+        measured[leaf.role] += nbytes
+    whole = [x.path for x in s.leaves if x.role == "param" and not x.zero_split]
+    zero_reason = (f"ZeRO keeps {len(whole)} leaves whole (no dimension divisible by "
+                   f"N): {', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}"
+                   if s.zero_axis and whole else "")
+    mem = hlo.memory(compiled)
+    rows = [
+        Row(MEMORY, "parameters", predicted["parameters"].value, measured["param"],
+            how=predicted["parameters"].how, reason=zero_reason),
+        Row(MEMORY, "optimizer state", predicted["optimizer state"].value
+            + predicted["other state"].value, measured["opt"] + measured["other"],
+            how=predicted["optimizer state"].how + " + counters",
+            reason=zero_reason),
+        Row(MEMORY, "gradients", predicted["gradients"].value,
+            _measured_gradients(found, counts, s), how=predicted["gradients"].how,
+            reason="measured as the synchronised gradients' collectives"),
+    ]
+    args = (predicted["parameters"].value + predicted["optimizer state"].value
+            + predicted["other state"].value + s.batch_bytes / max(s.size(s.batch_axes), 1))
+    rows.append(Row(MEMORY, "arguments (state + batch)", args, mem.argument_bytes,
+                    how="state + the batch's share", reason=zero_reason))
+    act = pm.activation_bytes(s)
+    if act is not None:
+        rows.append(Row(MEMORY, "activations", act.value, None, how=act.how))
+    temps = pm.temporary_bytes(s)
+    why = REASONS["temporaries"] + ("; " + REASONS["pipeline buffers"] if s.pipeline else "")
+    rows.append(Row(MEMORY, "temporaries", temps.value if temps else None, mem.temp_bytes,
+                    how=temps.how if temps else "memory_analysis", reason=why))
+    rows.append(Row(MEMORY, "peak", args + temps.value if temps else None, mem.peak_bytes,
+                    how="arguments + temporaries", reason=REASONS["peak"]))
+    return rows
+
+
+def _axes_text(axes) -> str:
+    return "+".join(axes) if axes else "()"
+
+
+def _traffic_rows(s: StepSetting, measured: dict) -> list[Row]:
+    predicted = pt.collectives(s)
+    keys = sorted(set(predicted) | {k for k in measured if k[1] is not None},
+                  key=lambda k: (k[0], _axes_text(k[1])))
+    rows = []
+    for kind, axes in keys:
+        p, m = predicted.get((kind, axes)), measured.get((kind, axes))
+        reason = ("not in the formulas" if p is None else
+                  "not in the compiled program (XLA removed or merged it)" if m is None else "")
+        if s.pipeline and axes == (s.tensor_axis,):
+            reason = REASONS["pipeline W"]
+        if s.strategy.sync_style == "gspmd" and s.batch_axes and set(axes) & set(s.batch_axes):
+            reason = "style='gspmd': XLA's partitioner schedules these (per-layer gathers)"
+        rows.append(Row(TRAFFIC, f"{kind} over {_axes_text(axes)}",
+                        p.message_bytes if p else None, m[1] if m else None,
+                        how="; ".join(p.how) if p else "compiled program", reason=reason))
+    return rows
+
+
+def _time(step: TrainStep, state, batch, steps: int) -> float | None:
+    """The median wall time of ``steps`` calls on a copy of ``state`` (None if abstract)."""
+    leaves = jax.tree.leaves(state)
+    if steps <= 0 or not all(isinstance(x, jax.Array) for x in leaves):
+        return None
+    current = jax.tree.map(jnp.copy, state)
+    current, _ = step(current, batch)  # compiles
+    jax.block_until_ready(current)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        current, metrics = step(current, batch)
+        jax.block_until_ready((current, metrics))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
+            chip: roofline.Chip | str | None = None, link: cost.Link | str | None = None,
+            timing_steps: int = 0) -> Report:
+    """Predicted next to measured memory, collectives, flops, bubble and time of a step.
+
+    Args:
+      step: a ``px.train_step``-decorated step.
+      state: its state (arrays, or ``jax.ShapeDtypeStruct`` leaves: nothing is allocated).
+      batch: a batch (arrays or ``jax.ShapeDtypeStruct`` leaves).
+      config: the ``GPTConfig`` (read from a ``px.models.GPT`` state when omitted); the
+        activation, Megatron and flop formulas need it.
+      chip: a :class:`parallax.planner.roofline.Chip` or preset name (default: the
+        devices' own, ``"cpu-sim"`` on CPU).
+      link: a ``parallax.comm.cost`` link or preset (default: the backend's).
+      timing_steps: also run the step this many times on a copy of ``state`` and report the
+        median time (0: do not run; an abstract state is never run).
+
+    Returns:
+      A :class:`parallax.planner.report.Report`: ``print(report)`` for text,
+      ``report.print()`` for a rich table, ``report.as_dict()`` for code.
+
+    Raises:
+      TypeError: ``step`` is not a ``px.train_step``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, parallax as px
+      >>> from flax import nnx
+      >>> mesh, strategy = px.make_mesh(fsdp=-1), px.ZeRO(3, "fsdp")
+      >>> @px.train_step(mesh, strategy)
+      ... def step(state, batch):
+      ...     loss, grads = px.value_and_grad(px.models.mse_loss)(state.model, batch)
+      ...     return state.apply_gradients(grads), {"loss": loss}
+      >>> state = jax.eval_shape(lambda: px.TrainState.create(
+      ...     px.models.MLP(16, [64], 16, rngs=nnx.Rngs(0)), optax.adam(1e-3)))
+      >>> batch = {"x": jnp.ones((16, 16)), "y": jnp.ones((16, 16))}
+      >>> report = px.explain(step, state, batch)
+      >>> row = report.row("parameters")
+      >>> row.predicted == row.measured
+      True
+
+    References:
+      Rajbhandari et al., "ZeRO", SC 2020; Shoeybi et al., "Megatron-LM", 2019; Narayanan
+      et al., SC 2021; Williams et al., "Roofline", CACM 2009.
+    """
+    if not isinstance(step, TrainStep):
+        raise TypeError(f"{API}: step must be a px.train_step-decorated function (a "
+                        f"px.TrainStep), got {type(step).__name__}; decorate it with "
+                        "@px.train_step(mesh, strategy).")
+    mesh, strategy = step.mesh, step.strategy
+    setting = read_setting(mesh, strategy, state, batch, config, API)
+    compiled = step.lower(state, batch).compile()
+    text = compiled.as_text()
+    branches = setting.pipeline.branches() if setting.pipeline else None
+    counts = program.computation_counts(text, branches)
+    found = hlo.collectives(text, mesh)
+    measured_traffic = program.collective_totals(text, mesh, branches)
+    device = roofline.chip(chip) if chip is not None else roofline.chip_for(mesh.devices.flat[0])
+    link = cost.preset(link) if link is not None else cost.default_link(setting.backend, xla=True)
+
+    rows = _memory_rows(setting, compiled, state, batch, found, counts)
+    rows += _traffic_rows(setting, measured_traffic)
+    flops = pt.flops(setting)
+    measured_flops = program.matmul_flops(text, branches)
+    rows.append(Row(COMPUTE, "matmul flops", flops.value if flops else None, measured_flops,
+                    unit="flop", how=flops.how if flops else "compiled program",
+                    reason=REASONS["pipeline W" if setting.pipeline else "matmul flops"]))
+    bub = pt.bubble(setting)
+    if bub is not None:
+        ticks = program.pipeline_ticks(text)
+        p = setting.pipeline
+        useful = 3 * p.microbatches * p.virtual_stages
+        rows.append(Row(COMPUTE, "pipeline bubble", bub.value,
+                        1 - useful / ticks if ticks else None, unit="fraction", how=bub.how,
+                        reason="the compiled tick loop runs another number of ticks"))
+    accessed = float((compiled.cost_analysis() or {}).get("bytes accessed", 0.0))
+    rows += _time_rows(setting, step, state, batch, device, link, flops, measured_flops,
+                       measured_traffic, timing_steps, accessed)
+    facts = {"strategy": strategy.name, "mesh": describe(mesh), "chip": device.name,
+             "link": link.name, "batch": f"{setting.batch_rows} examples"}
+    return Report(f"px.explain: {getattr(step.fn, '__name__', 'step')}", rows, facts)
+
+
+def _dtype(s: StepSetting) -> str:
+    return jnp.dtype(s.config.dtype).name if s.config is not None else "float32"
+
+
+def _time_rows(s, step, state, batch, device, link, flops, measured_flops, traffic,
+               timing_steps, accessed) -> list[Row]:
+    precision = jax.config.jax_default_matmul_precision
+    bubble = pt.bubble(s).value if s.pipeline else 0.0
+    hbm = pt.hbm_bytes(s).value
+    predicted_traffic = [(kind, s.size(axes), t.message_bytes, max(t.count, 1))
+                         for (kind, axes), t in pt.collectives(s).items()]
+    measured = [(kind, s.size(axes), size, max(int(round(n)), 1))
+                for (kind, axes), (n, size) in traffic.items() if axes]
+    predicted = roofline.step_time(flops.value if flops else measured_flops, hbm,
+                                   predicted_traffic, device, link, dtype=_dtype(s),
+                                   precision=precision, bubble=bubble)
+    compiled = roofline.step_time(measured_flops, max(hbm, accessed), measured, device, link,
+                                  dtype=_dtype(s),
+                                  precision=precision, bubble=bubble)
+    wall = _time(step, state, batch, timing_steps)
+    how = (f"roofline: compute {predicted.compute * 1e3:.3g} ms / (1 - bubble) + "
+           f"collectives {predicted.communication * 1e3:.3g} ms")
+    return [
+        Row(TIME, "step time", predicted.total, wall, unit="s", how=how,
+            reason=REASONS["step time"]),
+        Row(TIME, "step time (roofline of the compiled program)", compiled.total, wall,
+            unit="s", how="measured flops and collectives through the same roofline",
+            reason=REASONS["step time"]),
+    ]
+

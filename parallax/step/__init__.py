@@ -1,0 +1,10 @@
+"""Around the user's step: ``px.init`` and ``px.shard`` (state placed on the mesh),
+``@px.train_step`` (one jitted SPMD program), the batch (its spec, checks, assembly from
+several processes), ``check_finite``'s records, and the boundary checks that put a clear
+message in front of JAX's."""
+
+from parallax.step.placement import checked_strategy as checked_strategy
+from parallax.step.placement import init as init
+from parallax.step.placement import shard as shard
+from parallax.step.spmd_step import TrainStep as TrainStep
+from parallax.step.spmd_step import train_step as train_step

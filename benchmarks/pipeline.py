@@ -4,7 +4,7 @@ For GPipe, 1F1B (PipeDream-flush), 1F1B with the split backward, interleaved 1F1
 zero-bubble schedules (ZB-H1, ZB-H2, interleaved ZB, ZB-V, DualPipeV) and GPipe by autodiff
 of a forward scan, on the same model, mesh and batch, one run prints:
 
-- ``ticks`` and ``bubble``: the schedule's lock-step length and bubble fraction (f=1, b=2),
+- ``ticks`` and ``bubble``: the schedule's lock-step length and bubble fraction (f=b=w=1),
   read from its table; GPipe by autodiff has no table, so its row shows ``-`` and the
   footnote gives its formula value;
 - ``temp MB``: the compiled step's temporary bytes per device (``memory_analysis``);
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
               f"{p * cost.bytes / (seq_cost.bytes + p * permuted):>7.3f}"
               f"{p * cost.bytes / (same.bytes + p * permuted):>7.3f}"
               f"{statistics.median(times[name]) / base:>7.2f}")
-    print("\nticks, bubble: read from each schedule's table (f=1, b=2, so F = B = W = 1).")
+    print("\nticks, bubble: read from each schedule's table (f = b = w = 1: F = B = W).")
     if "gpipe autodiff" in compiled:
         print(f"gpipe autodiff has no table (-): its scan runs m + p - 1 = {m + p - 1} forward "
               "ticks and autodiff reverses them; by formula, not measured, its lock-step "

@@ -5,7 +5,7 @@ directly; it is printed, plotted and costed before anything runs:
 
     s = px.pipeline.schedule("1f1b", stages=4, microbatches=8)
     print(s.text())
-    s.bubble_fraction(f=1, b=2)        # what the lock-step runtime really pays
+    s.bubble_fraction(f=1, b=1, w=1)   # the papers' bubble: 3/11 (lockstep=True: what ticks pay)
     s.as_arrays()                      # int arrays [ticks, stages] and the buffer plan
 
     records = px.pipeline.profile(layers, sample)

@@ -233,7 +233,10 @@ def flops(s: StepSetting) -> Estimate | None:
 
 
 def bubble(s: StepSetting) -> Estimate | None:
-    """The pipeline schedule's bubble fraction (forward 1, backward 2), or None.
+    """The pipeline schedule's bubble fraction (the papers' measure at F = B = W = 1), or None.
+
+    Idle time over every stage's makespan (``Schedule.bubble_fraction``); at equal costs it
+    is also what parallax's lock-step runtime pays.
 
     Example:
       >>> import jax.numpy as jnp, parallax as px
@@ -246,7 +249,7 @@ def bubble(s: StepSetting) -> Estimate | None:
     if s.pipeline is None:
         return None
     sched = s.pipeline.schedule
-    return Estimate(sched.bubble_fraction(), f"{sched.name}: 1 - useful / ticks "
+    return Estimate(sched.bubble_fraction(), f"{sched.name}: idle / makespan at F = B = W "
                     f"({sched.ticks} ticks)")
 
 

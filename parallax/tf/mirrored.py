@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from parallax.tf import cross_replica, replica_program
+from parallax.tf import cross_replica, mirrored_check, replica_program
 from parallax.tf.cross_device_ops import CollectiveAllReduce, CrossDeviceOps
 from parallax.tf.distributed_input import (
     DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext)
@@ -191,7 +191,8 @@ class MirroredStrategy:
           fn: the replica function. It sees its replica's component of each ``PerReplica``
             argument and the whole of every other array; NNX objects passed in are
             updated in place afterwards (mirrored variables must be written identically:
-            all-reduce gradients with ``px.tf.get_replica_context().all_reduce``).
+            all-reduce gradients with ``px.tf.get_replica_context().all_reduce``, as Keras'
+            optimizers do; a mirrored variable written differently is refused).
           args: positional arguments (a tuple or list).
           kwargs: keyword arguments.
 
@@ -202,7 +203,9 @@ class MirroredStrategy:
         Raises:
           TypeError: ``fn`` is not callable, or an argument is not an array, NNX object,
             distributed value or hashable Python value.
-          ValueError: an argument belongs to another strategy.
+          ValueError: an argument belongs to another strategy, or the replicas wrote a
+            mirrored variable differently (:mod:`parallax.tf.mirrored_check`; the NNX objects
+            then keep their values from before the call).
 
         Example:
           >>> import jax.numpy as jnp, optax, parallax as px
@@ -235,9 +238,11 @@ class MirroredStrategy:
                             f"{type(kwargs).__name__}.")
         sig, per_replica, broadcast, state, nodes = replica_program.signature_of(
             self, fn, args, kwargs, functools.partial(self._place, api))
-        outputs, new_state = replica_program.replica_program(sig, per_replica, broadcast,
-                                                             state)
+        outputs, new_state, flags = replica_program.replica_program(sig, per_replica,
+                                                                    broadcast, state)
         if nodes:
+            mirrored_check.raise_if_diverged(api, nodes, replica_program.mirrored_leaves(sig),
+                                             flags)
             nnx.update(nodes, jax.tree.unflatten(sig.state_treedef, new_state))
         return outputs
 

@@ -20,9 +20,10 @@ What crosses into the replicas:
 
 The ``shard_map`` runs with ``check_vma=False``: a point-to-point all-reduce (ring,
 reduce-to-one) gives every replica the same sum but JAX types it *varying*, and mirrored
-state written from it must still leave as one replicated value. So parallax does not check
-that mirrored state is written identically on every replica; aggregating the gradients
-(``ReplicaContext.all_reduce``) is the replica function's job, as in TensorFlow.
+state written from it must still leave as one replicated value. Aggregating the gradients
+(``ReplicaContext.all_reduce``) is the replica function's job, as in TensorFlow; a mirrored
+variable written differently on the replicas is detected by exact hashes and refused
+(:mod:`parallax.tf.mirrored_check`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax import comm
+from parallax.tf import mirrored_check
 from parallax.tf.reduce_op import ReduceOp
 from parallax.tf.replica_context import ReplicaContext, replica
 from parallax.tf.values import Mirrored, PerReplica, VariableAggregation, aggregation_of
@@ -174,8 +176,15 @@ def _body(sig: Signature, per_replica, broadcast, state):
                 "Create variables before run, under strategy.scope(): TensorFlow likewise "
                 "refuses variables created inside a replica function after its first call.")
         new_state = _leave(strategy, jax.tree.leaves(state_out), sig.aggregations)
+    flags = mirrored_check.differs([new_state[i] for i in mirrored_leaves(sig)],
+                                   strategy.replica_axes)
     tree, mirrored = _outputs(strategy, result)
-    return tree, mirrored, new_state
+    return tree, mirrored, new_state, flags
+
+
+def mirrored_leaves(sig: Signature) -> list[int]:
+    """Positions of the state leaves that are mirrored (aggregation ``NONE``)."""
+    return [i for i, a in enumerate(sig.aggregations) if a is VariableAggregation.NONE]
 
 
 def _fill(tree, mirrored, strategy):
@@ -186,15 +195,20 @@ def _fill(tree, mirrored, strategy):
 
 @functools.partial(jax.jit, static_argnums=0)
 def replica_program(sig: Signature, per_replica: list, broadcast: list, state: list):
-    """Runs ``sig.fn`` on every replica; returns ``(outputs, new NNX state leaves)``."""
+    """Runs ``sig.fn`` on every replica.
+
+    Returns:
+      ``(outputs, new NNX state leaves, flags)``: ``flags[k]`` is True when the replicas
+      wrote the ``k``-th mirrored leaf (:func:`mirrored_leaves`) differently.
+    """
     strategy = sig.strategy
     spec = strategy.batch_spec
     mapped = jax.shard_map(
         functools.partial(_body, sig), mesh=strategy.mesh,
-        in_specs=(spec, jax.P(), jax.P()), out_specs=(spec, jax.P(), jax.P()),
+        in_specs=(spec, jax.P(), jax.P()), out_specs=(spec, jax.P(), jax.P(), jax.P()),
         check_vma=False)
-    tree, mirrored, new_state = mapped(per_replica, broadcast, state)
-    return _fill(tree, mirrored, strategy), new_state
+    tree, mirrored, new_state, flags = mapped(per_replica, broadcast, state)
+    return _fill(tree, mirrored, strategy), new_state, flags
 
 
 def check_no_captured_objects(fn, nodes) -> None:

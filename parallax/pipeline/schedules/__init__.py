@@ -12,16 +12,18 @@ The tick model (an SPMD lock-step runtime, see ``docs/pipeline.md``):
   ones that matter (``B`` is on the critical path, ``W`` is not).
 * ``split_backward=False`` schedules the two halves as one unit, as the published classic
   schedules do: ``W`` runs in the tick right after its ``B``, and the previous stage starts
-  its backward only after that ``W``. With costs ``f = 1`` and ``b = 2`` (so ``B`` and
-  ``W`` cost 1 each) every tick costs 1, and GPipe, 1F1B and interleaved 1F1B have exactly
-  their classic bubble fractions. ``split_backward=True`` lets the previous stage start
-  after ``B`` (the zero-bubble schedules), which shortens the critical path.
+  its backward only after that ``W``. With equal costs ``f = b = w = 1`` (the times of one
+  ``F``, ``B``, ``W``: the zero-bubble paper's ``T_F``, ``T_B``, ``T_W``) every tick costs 1,
+  and GPipe, 1F1B and interleaved 1F1B have exactly their published bubble fractions.
+  ``split_backward=True`` lets the previous stage start after ``B`` (the zero-bubble
+  schedules), which shortens the critical path.
 * A value sent at the end of tick ``t`` is usable from tick ``t + 1``.
 * Which virtual stage each (stage, chunk) runs is the schedule's :class:`Placement`:
   looped (Megatron) or V-shaped (ZB-V, DualPipeV).
 
 Modules: ``action`` (one cell), ``placement``, ``rules`` (the dependencies, validation and
-as-early-as-possible placement of orders), ``table`` (:class:`Schedule`), ``slots`` (the
+as-early-as-possible placement of orders), ``table`` (:class:`Schedule`), ``timeline`` (the papers'
+asynchronous replay and bubble), ``slots`` (the
 arrays and buffer plan a runtime reads), ``named`` and ``zero_bubble`` (the named
 schedules), ``charts`` (ASCII and matplotlib Gantt charts).
 """

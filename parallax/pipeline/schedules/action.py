@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import NamedTuple
 
@@ -85,14 +86,17 @@ def sizes(actions: list[list[Action]], microbatches, virtual_stages) -> tuple[in
 
 
 def costs(f, b, w) -> dict[str, float]:
-    """The time of each action kind from the costs of a forward, a backward and its W part."""
+    """The time of each action kind: ``F`` costs ``f``, ``B`` costs ``b``, ``W`` costs ``w``.
+
+    These are the zero-bubble paper's ``T_F``, ``T_B`` (input gradient only) and ``T_W``, so
+    a whole backward costs ``b + w`` and ``f = b = w = 1`` is the papers' "equal F, B, W".
+    """
     for name, value in (("f", f), ("b", b)):
-        if not value > 0:
-            raise ValueError(f"schedule: cost {name} must be positive, got {value!r}")
-    w = b / 2 if w is None else w
-    if not 0 <= w <= b:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+            raise ValueError(f"schedule: cost {name} must be a positive number, got {value!r}")
+    if isinstance(w, bool) or not isinstance(w, numbers.Real) or not w >= 0:
         raise ValueError(
-            "schedule: cost w is the weight-gradient part of b, so 0 <= w <= b; "
-            f"got w={w!r}, b={b!r}"
+            f"schedule: cost w (the weight-gradient part of a backward, T_W) must be a number "
+            f">= 0, got {w!r}; f, b and w are the times of one F, one B and one W"
         )
-    return {"F": f, "B": b - w, "W": w}
+    return {"F": f, "B": b, "W": w}

@@ -8,7 +8,7 @@ COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
 LEGEND = "F forward, B input-gradient backward, W weight-gradient backward, . idle"
 
 
-def text(schedule, *, f: float = 1, b: float = 2, w: float | None = None) -> str:
+def text(schedule, *, f: float = 1, b: float = 1, w: float = 1) -> str:
     """An ASCII Gantt chart: one row per stage, one column per tick (``.`` is idle).
 
     The first line names the schedule, its sizes, its placement when it is not looped and
@@ -17,7 +17,7 @@ def text(schedule, *, f: float = 1, b: float = 2, w: float | None = None) -> str
     Example:
       >>> from parallax.pipeline import schedule
       >>> print(text(schedule("1f1b", 2, 1)))
-      1f1b: 2 stages, 1 micro-batches, fused backward; 6 ticks, bubble 50.0% (f=1, b=2, w=1.0)
+      1f1b: 2 stages, 1 micro-batches, fused backward; 6 ticks, bubble 50.0% (f=1, b=1, w=1)
       tick    0  1  2  3  4  5
       stage 0 F0 .  .  .  B0 W0
       stage 1 .  F0 B0 W0 .  .
@@ -34,7 +34,7 @@ def text(schedule, *, f: float = 1, b: float = 2, w: float | None = None) -> str
         f"{chunks}{schedule.placement.label()}, "
         f"{'split' if schedule.split_backward else 'fused'} backward; {schedule.ticks} ticks, "
         f"bubble {100 * schedule.bubble_fraction(f, b, w):.1f}% "
-        f"(f={f}, b={b}, w={b / 2 if w is None else w})"
+        f"(f={f}, b={b}, w={w})"
     )
     name_width = len(f"stage {schedule.stages - 1}") + 1
     lines = [head, "tick".ljust(name_width)
@@ -47,7 +47,7 @@ def text(schedule, *, f: float = 1, b: float = 2, w: float | None = None) -> str
 
 
 def plot(
-    schedule, path=None, *, f: float = 1, b: float = 2, w: float | None = None, ax=None
+    schedule, path=None, *, f: float = 1, b: float = 1, w: float = 1, ax=None
 ):
     """Draws ``schedule`` as a Gantt chart in time units and optionally saves it.
 
@@ -119,10 +119,11 @@ def plot(
     ax.set_xlim(0, start)
     ax.set_ylim(schedule.stages - 0.5, -0.5)
     ax.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
-    ax.set_xlabel(f"time (f={f}, b={b}, w={b / 2 if w is None else w})")
+    ax.set_xlabel(f"time, lock-step (f={f}, b={b}, w={w})")
     ax.set_title(
         f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches"
-        f"{schedule.placement.label()}, bubble {100 * schedule.bubble_fraction(f, b, w):.1f}%"
+        f"{schedule.placement.label()}, lock-step bubble "
+        f"{100 * schedule.bubble_fraction(f, b, w, lockstep=True):.1f}%"
     )
     names = {"F": "forward", "B": "input-gradient backward", "W": "weight-gradient backward"}
     ax.legend(

@@ -92,7 +92,7 @@ def schedule(
       >>> round(s.bubble_fraction(), 4) == round(3 / 11, 4)
       True
       >>> zb = schedule("zb_h1", stages=4, microbatches=8)
-      >>> round(zb.bubble_fraction(f=1, b=2, w=1), 4) == round(3 / 27, 4)
+      >>> round(zb.bubble_fraction(f=1, b=1, w=1), 4) == round(3 / 27, 4)
       True
       >>> schedule("zbv", 4, 8).placement.virtual[0]
       (0, 7)

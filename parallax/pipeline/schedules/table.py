@@ -12,7 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from parallax.pipeline.schedules import charts, rules, slots
+from parallax.pipeline.schedules import charts, rules, slots, timeline
 from parallax.pipeline.schedules.action import Action
 from parallax.pipeline.schedules.action import costs as _costs
 from parallax.pipeline.schedules.action import parse_cell as _action
@@ -47,7 +47,7 @@ class Schedule:
       >>> s = schedule("1f1b", stages=2, microbatches=2)
       >>> s.order(0)
       ['F0', 'F1', 'B0', 'W0', 'B1', 'W1']
-      >>> round(s.bubble_fraction(), 4)   # the classic (p - 1) / (m + p - 1)
+      >>> round(s.bubble_fraction(), 4)   # the papers' (p - 1) / (m + p - 1)
       0.3333
 
     References:
@@ -209,58 +209,82 @@ class Schedule:
         """The actions of ``stage`` in order, as strings: ``["F0", "F1", "B0", "W0", ...]``."""
         return [self.label(a) for a in self.actions(stage)]
 
-    def time(self, f: float = 1, b: float = 2, w: float | None = None) -> float:
+    def time(self, f: float = 1, b: float = 1, w: float = 1) -> float:
         """Total time of the lock-step run: the sum over ticks of the tick's slowest action.
 
+        This is what parallax's SPMD runtime pays (every stage waits for the slowest action
+        of each tick); :meth:`makespan` is the papers' asynchronous replay.
+
         Args:
-          f: cost of a forward.
-          b: cost of a whole backward; ``B`` costs ``b - w`` and ``W`` costs ``w``.
-          w: the weight-gradient part of ``b``; default ``b / 2`` (about right for matmuls).
+          f, b, w: the time of one ``F``, one ``B`` (input gradient) and one ``W`` (weight
+            gradient), the zero-bubble paper's ``T_F``, ``T_B``, ``T_W``.
 
         Returns:
           ``sum_t max_s cost(table[t][s])``, idle cells costing 0.
         """
         return sum(self.tick_costs(f, b, w))
 
-    def tick_costs(self, f: float = 1, b: float = 2, w: float | None = None) -> list[float]:
+    def tick_costs(self, f: float = 1, b: float = 1, w: float = 1) -> list[float]:
         """Each tick's cost: its slowest action's (0 for a tick where every stage idles)."""
         cost = _costs(f, b, w)
         return [max((cost[a.kind] for a in row if a is not None), default=0)
                 for row in self.table]
 
-    def bubble_fraction(self, f: float = 1, b: float = 2, w: float | None = None, *,
-                        overlap_steps: bool = False) -> float:
-        """The fraction of stage-time spent idle or waiting when the table runs in lock-step.
+    def makespan(self, f: float = 1, b: float = 1, w: float = 1) -> float:
+        """The papers' time of the step: each stage runs its order, each action as soon as it
+        may (:func:`parallax.pipeline.schedules.timeline.replay`)."""
+        return timeline.makespan(self, f, b, w)
 
-        With ``T = time(f, b, w)`` (the sum over ticks of each tick's slowest action) and
-        ``U = virtual_stages * microbatches * (f + b)`` the useful work of each stage::
+    def bubble_fraction(self, f: float = 1, b: float = 1, w: float = 1, *,
+                        overlap_steps: bool = False, lockstep: bool = False) -> float:
+        """The bubble as the pipeline papers define it: idle time over every stage's makespan.
 
-            bubble = 1 - (stages * U) / (stages * T) = 1 - U / T
+        Each stage runs its actions in order, each as soon as its stage is free and the
+        action it needs has finished (sends take no time); ``F``, ``B``, ``W`` take ``f``,
+        ``b``, ``w``. With ``T`` the end of the last action (:meth:`makespan`)::
 
-        An action that is faster than the slowest one in its tick waits for it, so mixing
-        cheap and expensive actions in one tick counts as bubble, as it costs in SPMD.
+            bubble = 1 - stages * virtual_stages * microbatches * (f + b + w) / (stages * T)
 
-        With ``f = 1, b = 2`` (``B = W = 1``): GPipe and 1F1B give ``(p - 1) / (m + p - 1)``
-        and interleaved 1F1B ``(p - 1) / (v m + p - 1)`` when the backward is not split,
-        and ``2 (p - 1) / (3 m + 2 (p - 1))`` (``v m`` for ``m`` when interleaved) when it is;
-        ZB-H1 and ZB-H2 reach ``(p - 1) / (3 m + p - 1)``, the least any synchronous step
-        pays (the last stage cannot start before tick ``p - 1``).
+        ``W`` counts as work. At ``f = b = w = 1``, ``p`` stages, ``m`` micro-batches, ``v``
+        chunks: GPipe and 1F1B give ``(p - 1) / (m + p - 1)`` (Narayanan et al.'s
+        ``(p - 1) / m`` of the ideal time), interleaved 1F1B ``(p - 1) / (v m + p - 1)``,
+        ZB-H1 ``(p - 1) / (3 m + p - 1)`` (Qi et al.'s ``(p - 1)(T_F + T_B - T_W)``), and no
+        synchronous step does better than ``(p - 1) / (3 v m + p - 1)``: the last stage
+        cannot start before ``p - 1`` forwards. Bubble over ideal time is
+        ``bubble / (1 - bubble)``.
 
         Args:
-          f, b, w: costs per action (per chunk, for interleaved schedules), as for :meth:`time`.
+          f, b, w: the time of one ``F``, one ``B`` (input gradient) and one ``W`` (weight
+            gradient), the zero-bubble paper's ``T_F``, ``T_B``, ``T_W`` (per chunk for
+            schedules with several chunks per stage).
           overlap_steps: count each stage only from its own first action to its last, as if
-            the next step's work filled the rest. This is the zero-bubble paper's measure,
-            which its post-validated optimizer step makes real; parallax's steps are
-            synchronous (each step ends with the optimizer update), so the default is what
-            the runtime pays. ZB-H2 and ZB-V are at 0 by this measure once ``m >= 2p``.
+            the next step's work filled the rest: the zero-bubble paper's parallelogram,
+            which its post-validated optimizer step makes real (parallax's steps are
+            synchronous). ZB-H2 and ZB-V are at 0 by it at equal costs once ``m >= 2p``.
+          lockstep: cost parallax's lock-step runtime instead (:meth:`time`: every tick lasts
+            its slowest action on every stage). Equal to the default at equal costs for
+            tables placed as early as allowed; larger when costs differ.
 
         Returns:
           A float in ``[0, 1)``.
+
+        Example:
+          >>> from parallax.pipeline import schedule
+          >>> round(schedule("1f1b", 4, 8).bubble_fraction(f=1, b=1, w=1), 4)   # 3 / 11
+          0.2727
+          >>> round(schedule("zb_h1", 4, 8).bubble_fraction(f=1, b=1, w=1), 4)  # 3 / 27
+          0.1111
+
+        References:
+          Narayanan et al. 2021; Qi et al. 2024 (Zero Bubble Pipeline Parallelism, table 2);
+          :mod:`parallax.pipeline.schedules.timeline`.
         """
-        useful = self.virtual_stages * self.microbatches * (f + b)
-        if not overlap_steps:
-            return 1 - useful / self.time(f, b, w)
+        if not lockstep:
+            return timeline.bubble(self, f, b, w, overlap_steps=overlap_steps)
+        useful = self.virtual_stages * self.microbatches * (f + b + w)
         tick_cost = self.tick_costs(f, b, w)
+        if not overlap_steps:
+            return 1 - useful / sum(tick_cost)
         spans = []
         for s in range(self.stages):
             busy = [t for t, row in enumerate(self.table) if row[s] is not None]
@@ -298,11 +322,11 @@ class Schedule:
         """
         return slots.schedule_arrays(self)
 
-    def text(self, f: float = 1, b: float = 2, w: float | None = None) -> str:
+    def text(self, f: float = 1, b: float = 1, w: float = 1) -> str:
         """An ASCII Gantt chart: one row per stage, one column per tick (``.`` is idle)."""
         return charts.text(self, f=f, b=b, w=w)
 
-    def plot(self, path=None, *, f: float = 1, b: float = 2, w: float | None = None):
+    def plot(self, path=None, *, f: float = 1, b: float = 1, w: float = 1):
         """A Gantt chart in time units (needs matplotlib): :func:`charts.plot`."""
         return charts.plot(self, path, f=f, b=b, w=w)
 

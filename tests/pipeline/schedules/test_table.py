@@ -104,22 +104,22 @@ def test_from_orders_inserts_w_after_each_b():
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_fused_bubble_equals_the_classic_formula(name, p, m):
     s = schedule(name, p, m)
-    assert s.bubble_fraction(f=1, b=2) == pytest.approx(classic(p, m), abs=1e-12)
-    assert s.ticks == 3 * (m + p - 1)  # every tick costs 1: B and W cost b / 2 = f
+    assert s.bubble_fraction(f=1, b=1, w=1) == pytest.approx(classic(p, m), abs=1e-12)
+    assert s.ticks == 3 * (m + p - 1)  # every tick costs 1: F, B and W cost 1
 
 
 @pytest.mark.parametrize("p,m", SIZES)
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_split_bubble_is_below_the_classic_formula(name, p, m):
-    bubble = schedule(name, p, m, split_backward=True).bubble_fraction(f=1, b=2)
+    bubble = schedule(name, p, m, split_backward=True).bubble_fraction(f=1, b=1, w=1)
     assert bubble <= classic(p, m) + 1e-12
     assert bubble == pytest.approx(split_formula(p, m), abs=1e-12)
 
 
 @pytest.mark.parametrize("p,m,v", INTERLEAVED + [(p, 4 * p, v) for p in (2, 4) for v in (2, 3)])
 def test_interleaved_bubble(p, m, v):
-    fused = schedule("interleaved_1f1b", p, m, v).bubble_fraction(f=1, b=2)
-    split = schedule("interleaved_1f1b", p, m, v, split_backward=True).bubble_fraction(f=1, b=2)
+    fused = schedule("interleaved_1f1b", p, m, v).bubble_fraction(f=1, b=1, w=1)
+    split = schedule("interleaved_1f1b", p, m, v, split_backward=True).bubble_fraction(f=1, b=1, w=1)
     assert fused <= classic(p, m, v) + 1e-12
     assert fused == pytest.approx(classic(p, m, v), abs=1e-12)
     assert split == pytest.approx(split_formula(p, m, v), abs=1e-12)
@@ -127,19 +127,25 @@ def test_interleaved_bubble(p, m, v):
 
 
 def test_a_tick_costs_its_slowest_action_on_every_stage():
-    # tick 4 mixes a B (stage 0) and a forward (stage 1): with b = 4 (B = W = 2) it costs 2
+    # tick 4 mixes a B (stage 0) and a forward (stage 1): with B = W = 2 it costs 2
     s = Schedule.from_table(["F0 F1 .  .  B0 W0 .  B1 W1", ".  F0 B0 W0 F1 B1 W1"])
-    assert s.time(f=1, b=4) == 1 + 1 + 2 * 7
-    assert s.bubble_fraction(f=1, b=4) == pytest.approx(1 - 2 * (1 + 4) / 16)
-    assert s.time(f=1, b=2, w=0.5) == 1 + 1 + 1.5 + 0.5 + 1.5 + 1.5 + 0.5 + 1.5 + 0.5
+    assert s.time(f=1, b=2, w=2) == 1 + 1 + 2 * 7
+    assert s.bubble_fraction(f=1, b=2, w=2, lockstep=True) == pytest.approx(1 - 2 * (1 + 4) / 16)
+    assert s.time(f=1, b=1.5, w=0.5) == 1 + 1 + 1.5 + 0.5 + 1.5 + 1.5 + 0.5 + 1.5 + 0.5
+    # The papers' replay does not make stage 1's F1 wait for stage 0's slower B0: it takes
+    # the classic (m + p - 1)(f + b + w) = 15 where the lock-step ticks take 16.
+    assert s.makespan(f=1, b=2, w=2) == 15
+    assert s.bubble_fraction(f=1, b=2, w=2) == pytest.approx(1 / 3)
 
 
 def test_costs_are_checked():
     s = schedule("1f1b", 2, 2)
-    with pytest.raises(ValueError, match="cost f must be positive, got 0"):
+    with pytest.raises(ValueError, match="cost f must be a positive number, got 0"):
         s.bubble_fraction(f=0)
-    with pytest.raises(ValueError, match=r"0 <= w <= b; got w=3, b=2"):
-        s.bubble_fraction(w=3)
+    with pytest.raises(ValueError, match=r"cost w \(the weight-gradient part of a backward, T_W\) "
+                       r"must be a number >= 0, got -1; f, b and w are the times of one F, "
+                       r"one B and one W"):
+        s.bubble_fraction(w=-1)
 
 
 def _best_lockstep_time(orders, cost):
@@ -374,7 +380,7 @@ def test_text_is_an_ascii_gantt():
     assert schedule("1f1b", 2, 2).text() == "\n".join(
         [
             "1f1b: 2 stages, 2 micro-batches, fused backward; 9 ticks, bubble 33.3% "
-            "(f=1, b=2, w=1.0)",
+            "(f=1, b=1, w=1)",
             "tick    0  1  2  3  4  5  6  7  8",
             "stage 0 F0 F1 .  .  B0 W0 .  B1 W1",
             "stage 1 .  F0 B0 W0 F1 B1 W1 .  .",
@@ -398,11 +404,11 @@ def test_repr_and_equality():
 def test_plot_writes_a_gantt_chart(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "1f1b.png"
-    fig = schedule("interleaved_1f1b", 2, 4, 2, split_backward=True).plot(path, b=3)
+    fig = schedule("interleaved_1f1b", 2, 4, 2, split_backward=True).plot(path, b=1.5, w=1.5)
     assert path.stat().st_size > 1000
     assert fig.axes[0].get_xlim() == (
         0,
-        schedule("interleaved_1f1b", 2, 4, 2, split_backward=True).time(b=3),
+        schedule("interleaved_1f1b", 2, 4, 2, split_backward=True).time(b=1.5, w=1.5),
     )
 
 
@@ -416,7 +422,8 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch):
         schedule("1f1b", 2, 2).plot()
 
 
-@pytest.mark.parametrize("module", ["table", "named", "charts", "placement", "zero_bubble"])
+@pytest.mark.parametrize("module", ["table", "named", "charts", "placement", "zero_bubble",
+                                    "timeline"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(f"parallax.pipeline.schedules.{module}"))
     assert result.failed == 0 and (result.attempted > 0 or module == "zero_bubble")

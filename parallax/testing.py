@@ -130,20 +130,44 @@ def train(
 def relative_difference(a, b, floor: float = 1e-4) -> float:
     """The largest, over leaves, of ``max|a - b| / scale``, ``scale`` being ``max|b|`` of the leaf.
 
-    A leaf whose values are all tiny next to the rest of the tree is measured against
-    ``floor`` times the tree's largest value instead: a gradient that is zero in exact
-    arithmetic holds only rounding noise, which no reduction order reproduces.
+    A floating leaf whose values are all tiny next to the tree's other floating leaves is
+    measured against ``floor`` times their largest value instead: a gradient that is zero
+    in exact arithmetic holds only rounding noise, which no reduction order reproduces.
+    Integer and bool leaves (counters, step numbers, keys as ``jax.random.key_data``) have
+    no rounding: each must be equal, and one that differs counts as 1. They never set the
+    floor: a key's data (up to ``2**32``) would otherwise make every float leaf of a
+    module's state (BatchNorm statistics next to RNG keys) pass whatever its value.
+
+    Args:
+      a, b: pytrees of the same structure; ``b`` is the reference.
+      floor: the fraction of the largest floating value below which a leaf is measured
+        against that value.
+
+    Returns:
+      The largest relative difference (0.0 for equal trees).
+
+    Example:
+      >>> relative_difference({"w": np.ones(3), "n": np.int32(2)},
+      ...                     {"w": np.ones(3), "n": np.int32(3)})
+      1.0
     """
-    xs = [np.asarray(x, np.float64) for x in jax.tree.leaves(a)]
-    ys = [np.asarray(y, np.float64) for y in jax.tree.leaves(b)]
+    xs, ys = jax.tree.leaves(a), jax.tree.leaves(b)
     if len(xs) != len(ys):
         raise ValueError(f"relative_difference: {len(xs)} leaves against {len(ys)}.")
-    largest = max((float(np.max(np.abs(y))) for y in ys if y.size), default=0.0)
+    xs, ys = [np.asarray(x) for x in xs], [np.asarray(y) for y in ys]
+    exact = [not np.issubdtype(y.dtype, np.inexact) for y in ys]
+    largest = max((float(np.max(np.abs(y.astype(np.float64)))) for y, e in zip(ys, exact)
+                   if y.size and not e), default=0.0)
     worst = 0.0
-    for x, y in zip(xs, ys):
-        if y.size:
-            scale = max(float(np.max(np.abs(y))), floor * largest, 1e-30)
-            worst = max(worst, float(np.max(np.abs(x - y))) / scale)
+    for x, y, e in zip(xs, ys, exact):
+        if not y.size:
+            continue
+        if e:
+            worst = max(worst, 0.0 if np.array_equal(x, y) else 1.0)
+            continue
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        scale = max(float(np.max(np.abs(y))), floor * largest, 1e-30)
+        worst = max(worst, float(np.max(np.abs(x - y))) / scale)
     return worst
 
 

@@ -93,3 +93,22 @@ def test_linen_boxed_parameters_train_like_one_device():
     assert state[0]["Dense_0"]["kernel"].value.sharding.spec == jax.P("tensor")
     run = px.testing.train(make, loss, data, mesh=mesh, strategy=strategy, tx=tx)
     px.testing.assert_equivalent(run, px.testing.train(make, loss, data, tx=tx), rtol=1e-5)
+
+
+def test_integer_leaves_never_hide_a_float_difference():
+    """A module's state holds RNG keys (as ``key_data``, up to 2**32) next to BatchNorm
+    statistics: the keys must not set the floor that the statistics are measured against
+    (they did: a running mean 50% off passed as 1e-13, issue 24), and integers compare
+    exactly."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    state = {"mean": np.array([1e-4, -2e-4], np.float32),
+             "key": np.array([4_000_000_000, 7], np.uint32), "count": np.int32(3)}
+    wrong = dict(state, mean=state["mean"] * 1.5)
+    assert px.testing.relative_difference(wrong, state) == pytest.approx(0.5)
+    assert px.testing.relative_difference(dict(state, count=np.int32(4)), state) == 1.0
+    assert px.testing.relative_difference(state, state) == 0.0
+    # the floor still applies among floats: rounding noise next to a large leaf
+    noise = {"w": jnp.ones(3), "zero_grad": jnp.full(3, 1e-9)}
+    assert px.testing.relative_difference(dict(noise, zero_grad=-noise["zero_grad"]), noise) < 1e-4

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -172,9 +173,10 @@ class GPT(nnx.Module):
                 f"{self.config.max_seq_len}; shorten the input or raise GPTConfig.max_seq_len."
             )
         check_sequence("GPT.embed", seq)
-        # An id outside the vocabulary reads a NaN row (jnp.take's fill): with
-        # px.train_step(check_finite=True) the step names this check instead of the NaN.
+        # An id outside the vocabulary reads a NaN row (jnp.take's fill). Concrete ids are
+        # checked here; under jit, px.train_step(check_finite=True) names this check.
         vocab = self.config.vocab_size
+        check_token_ids("GPT.embed", tokens, vocab)
         finite_check.require(f"GPT.embed: token ids within [0, {vocab})",
                        lambda: ((tokens >= 0) & (tokens < vocab)).all())
         x = jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:seq]
@@ -245,6 +247,44 @@ def next_token_loss(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
             f"next_token_loss: batch['tokens'] must have shape [batch, seq + 1] with "
             f"seq >= 1, got {list(tokens.shape)}."
         )
+    config = getattr(model, "config", None)
+    if isinstance(config, GPTConfig):  # the targets too: the last column is never embedded
+        check_token_ids("next_token_loss", tokens, config.vocab_size)
     logits = jnp.asarray(model(tokens[:, :-1]), jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
     return jnp.mean(losses)
+
+
+def check_token_ids(api: str, tokens, vocab_size: int) -> None:
+    """Refuses concrete token ids outside ``[0, vocab_size)``; traced ids pass unchecked.
+
+    An id outside the vocabulary reads no embedding row (``jnp.take`` fills NaN) and has no
+    logit, so the loss is NaN with no error. Concrete ids (an eager call, a host batch) are
+    checked here, at the cost of reading them. Inside ``jit`` (every ``px.train_step``) the
+    ids are abstract and a check would need a host round trip per step:
+    ``px.train_step(..., check_finite=True)`` makes that trip and names
+    ``GPT.embed: token ids within [0, V)``.
+
+    Args:
+      api: the caller, for the message.
+      tokens: integer ids (a tracer is not checked).
+      vocab_size: V, the number of real (unpadded) ids.
+
+    Raises:
+      ValueError: naming the first bad id, its position and the fix.
+
+    Example:
+      >>> import numpy as np
+      >>> check_token_ids("GPT.embed", np.array([[1, 2]]), 256)  # in range: nothing
+    """
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        raise ValueError(
+            f"{api}: token id {int(ids[where])} at tokens{list(where)} is outside the "
+            f"vocabulary [0, {vocab_size}) ({len(bad)} such ids); it has no embedding row "
+            "and no logit, so the loss would be NaN. Map the ids into the vocabulary, or "
+            f"raise GPTConfig.vocab_size to at least {int(ids.max()) + 1}.")

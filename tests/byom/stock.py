@@ -136,7 +136,7 @@ def plain_nnx(make_model, loss_fn, batches):
         loss, grads = step(model, optimizer, batch)
         losses.append(float(loss))
         first = jax.device_get(grads) if first is None else first
-    return losses, first, model
+    return losses, first, model, jax.device_get(nnx.state(optimizer.opt_state))
 
 
 def parallax_run(make_model, loss_fn, batches, mesh, strategy, **options):
@@ -161,10 +161,12 @@ def parallax_run(make_model, loss_fn, batches, mesh, strategy, **options):
 
 
 def assert_same_training(run, reference, rtol=1e-5):
-    """Losses, first gradients, final parameters and final non-parameter state (BatchNorm
-    running statistics, RNG counters) agree within ``rtol``."""
+    """Losses, first gradients, final parameters, final non-parameter state (BatchNorm
+    running statistics within ``rtol``; RNG counters and keys exactly: see
+    ``px.testing.relative_difference``) and, when the reference gives it, the final
+    optimizer state agree."""
     losses, grads, state = run
-    ref_losses, ref_grads, model = reference
+    ref_losses, ref_grads, model, *ref_opt = reference
     diffs = {
         "losses": px.testing.relative_difference(np.asarray(losses), np.asarray(ref_losses)),
         "gradients": px.testing.relative_difference(grads, ref_grads),
@@ -174,5 +176,9 @@ def assert_same_training(run, reference, rtol=1e-5):
             key_data(jax.device_get(state.rest)),
             key_data(jax.device_get(nnx.state(model, nnx.Not(nnx.Param))))),
     }
+    if ref_opt:  # optax's state against nnx.Optimizer's: the same leaves in the same order
+        ours, theirs = jax.tree.leaves(jax.device_get(state.opt_state)), jax.tree.leaves(ref_opt)
+        assert len(ours) == len(theirs), (len(ours), len(theirs))
+        diffs["optimizer state"] = px.testing.relative_difference(ours, theirs)
     assert max(diffs.values()) <= rtol, diffs
     return diffs

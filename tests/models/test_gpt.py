@@ -298,6 +298,27 @@ def test_input_errors(model):
         next_token_loss(model, {"tokens": _tokens((2, 1))})
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_where_they_are_concrete(model, loss):
+    """An id >= vocab_size has no embedding row and no logit: the loss is NaN (issue 24,
+    case 8). Concrete ids are refused, naming the id, where it is and the fix; a target
+    only (the last column, never embedded) too. Under jit the ids are abstract: the loss
+    is NaN there, and px.train_step(check_finite=True) names the check
+    (tests/test_bad_input.py)."""
+    tokens = np.asarray(_tokens((2, 17)))
+    target_only = tokens.copy()
+    target_only[1, 16] = TINY.vocab_size + 44
+    with pytest.raises(ValueError, match=r"next_token_loss: token id 300 at tokens\[1, 16\] is "
+                       r"outside the vocabulary \[0, 256\) \(1 such ids\); it has no embedding "
+                       r"row and no logit, so the loss would be NaN. Map the ids into the "
+                       r"vocabulary, or raise GPTConfig.vocab_size to at least 301."):
+        next_token_loss(model, {"tokens": target_only})
+    negative = tokens.copy()
+    negative[0, 3] = -1
+    with pytest.raises(ValueError, match=r"GPT.embed: token id -1 at tokens\[0, 3\] is outside"):
+        model(jnp.asarray(negative[:, :-1]))
+    assert np.isnan(float(loss(jnp.asarray(target_only))))  # what jit alone would give
+
+
 def test_padded_vocabulary_changes_nothing_but_the_shapes():
     # Padded to a multiple of 8 (for tensor parallelism): the real rows start equal, the
     # padded logits are masked, so loss and gradients are the unpadded model's.

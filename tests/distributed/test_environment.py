@@ -79,12 +79,16 @@ def test_order_explicit_then_launcher_then_torchrun_then_tf_config():
         "127.0.0.1:9", 2, 1, "explicit")
 
 
-def test_jax_detects_slurm_and_mpi_itself():
-    spec = distributed.detect(env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})
-    assert spec.auto and spec.source == "jax (SLURM)" and spec.num_processes is None
+def test_jax_detects_slurm_and_mpi_coordinators_itself():
+    """(SLURM, MPI and horovodrun in detail: test_launcher_environments.py.)"""
+    spec = distributed.detect(env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "1",
+                                   "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "n1"})
+    assert spec.auto and spec.source == "jax (SLURM)" and spec.num_processes == 4
     assert distributed.detect(env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).source == (
         "single process")
-    assert distributed.detect(env={"OMPI_COMM_WORLD_SIZE": "2"}).source == "jax (Open MPI)"
+    spec = distributed.detect(env={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+                                   "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"})
+    assert spec.source == "jax (Open MPI)" and spec.process_id == 1
 
 
 @pytest.mark.parametrize("text, message", [

@@ -31,3 +31,35 @@ def test_collectives_across_four_processes():
     out = run_launcher(["-np", "4", "python", PROGRAM])
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert_horovod_agrees(out.stdout, 4, train=False)
+
+
+def test_horovodruns_environment_is_one_job_not_n_single_processes():
+    """Two processes started as ``horovodrun --gloo -np 2`` starts them (horovod/runner/
+    gloo_run.py: HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_*, HOROVOD_CROSS_*,
+    HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT): one job of 2 ranks. Before, each trained alone with
+    hvd.size() == 1."""
+    import subprocess
+    import sys
+
+    from parallax.distributed.coordinator_address import free_port_pair
+    from tests.distributed.launching import ROOT, test_env
+
+    rendezvous = free_port_pair() - 1  # horovodrun's server (absent here); JAX takes + 1
+    procs = [subprocess.Popen(
+        [sys.executable, "tests/horovod/programs/horovodrun_env.py"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=test_env(
+            HOROVOD_RANK=str(r), HOROVOD_SIZE="2", HOROVOD_LOCAL_RANK=str(r),
+            HOROVOD_LOCAL_SIZE="2", HOROVOD_CROSS_RANK="0", HOROVOD_CROSS_SIZE="1",
+            HOROVOD_HOSTNAME="localhost", HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
+            HOROVOD_GLOO_RENDEZVOUS_PORT=str(rendezvous), HOROVOD_CONTROLLER="gloo",
+            HOROVOD_CPU_OPERATIONS="gloo")) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out[-3000:]
+        assert f"source horovodrun processes 2 size 2 rank {r} sum 3" in out, out[-3000:]

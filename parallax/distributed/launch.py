@@ -139,9 +139,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.nnodes > 1 and args.coordinator is None:
         raise LaunchError(f"--nnodes {args.nnodes} needs --coordinator HOST:PORT (an address "
                           "of node 0 that every node can reach).")
-    if args.coordinator is not None and split_address(args.coordinator)[1] < 2:
-        raise LaunchError(f"--coordinator {args.coordinator}: the port must be >= 2 (torchrun's "
-                          "MASTER_PORT, exported too, is the port below it).")
+    if args.coordinator is not None:
+        split_address(args.coordinator)
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts} must be >= 0.")
     if args.min_np is not None and not (1 <= args.min_np <= args.nproc and args.nnodes == 1):

@@ -10,7 +10,8 @@ gradient of the global batch. Where it runs decides how it reduces:
   bucket is summed by ``parallax.comm``'s point-to-point exchanges instead of XLA's
   all-reduce, which is faster on CPU clusters over gloo: see ``docs/distributed.md``), or
   Adasum's pairwise rounds;
-- eagerly, on process-local gradients: one jitted program over the processes' rows;
+- eagerly, on process-local gradients: one jitted program over the processes' rows, each
+  standing for the process's K ranks (one per device, :mod:`parallax.horovod.ranks`);
 - inside ``px.train_step``: the strategy (``px.DataParallel``, ZeRO, ...) has already
   averaged the gradients over the batch axes, so only the local accumulation below applies.
 
@@ -44,6 +45,7 @@ from parallax.distributed import local_arrays
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.collectives import AXIS
 from parallax.horovod.per_rank import PerRank
+from parallax.horovod.ranks import per_process
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
 from parallax.strategies.sync import SYNC_ALGORITHMS
 
@@ -84,14 +86,15 @@ def _mode(grads, axis_name: str) -> str:
 def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes: int,
             axis_name: str, algorithm: str):
     """The gradients reduced over the ranks as ``op`` says (mean for Average)."""
-    if mode == "strategy" or (mode == "eager" and jax.process_count() == 1):
+    if mode == "strategy" or (mode == "eager" and jax.device_count() == 1):
         return grads  # reduced by the strategy already, or one rank
+    # eagerly a process's gradient stands for each of its K ranks (parallax.horovod.ranks)
     leaves, treedef = jax.tree.flatten(grads)
     if op is ReduceOp.Adasum:
         rounded = [g.astype(wire.wire_dtype(g.dtype)).astype(g.dtype) for g in leaves]
         if mode == "program":
             return jax.tree.unflatten(treedef, adasum_all_reduce(rounded, axis_name))
-        summed = _eager_rows(("adasum",), rounded)
+        summed = _eager_rows(("adasum", per_process()), rounded)
         return jax.tree.unflatten(treedef, summed)
     scaled = [g / predivide for g in leaves] if predivide != 1.0 else leaves
     if mode == "program":
@@ -99,29 +102,32 @@ def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes
         summed = comm.bucketed_all_reduce(scaled, axis_name, bucket_bytes=fusion_bytes,
                                           op="sum", compression=wire, algorithm=algorithm)
     else:
-        ranks = jax.process_count()
+        ranks = jax.device_count()
         sent = [np.asarray(g).astype(wire.wire_dtype(g.dtype)) for g in scaled]
         wide = [wire.accumulate_dtype(g.dtype) for g in scaled]
-        summed = _eager_rows(("sum", tuple(wide), tuple(g.dtype for g in scaled)), sent)
+        summed = _eager_rows(("sum", tuple(wide), tuple(g.dtype for g in scaled),
+                              per_process()), sent)
     if op is ReduceOp.Average:
         summed = [s * (predivide / ranks) for s in summed]
     return jax.tree.unflatten(treedef, summed)
 
 
-def _adasum_rows(rows):
-    return [adasum_stack(r) for r in rows]
+def _adasum_rows(rows, copies):
+    return [adasum_stack(jnp.repeat(r, copies, axis=0)) for r in rows]  # one row per rank
 
 
-def _sum_rows(rows, wide, out):
-    return [jnp.sum(r.astype(w), axis=0).astype(o) for r, w, o in zip(rows, wide, out)]
+def _sum_rows(rows, wide, out, copies):
+    return [(jnp.sum(r.astype(w), axis=0) * copies).astype(o)
+            for r, w, o in zip(rows, wide, out)]
 
 
 @functools.cache
 def _jitted(kind: tuple):
     """One jitted program per kind (jit caches by function identity)."""
     if kind[0] == "adasum":
-        return jax.jit(_adasum_rows, out_shardings=local_arrays.replicated())
-    return jax.jit(functools.partial(_sum_rows, wide=kind[1], out=kind[2]),
+        return jax.jit(functools.partial(_adasum_rows, copies=kind[1]),
+                       out_shardings=local_arrays.replicated())
+    return jax.jit(functools.partial(_sum_rows, wide=kind[1], out=kind[2], copies=kind[3]),
                    out_shardings=local_arrays.replicated())
 
 

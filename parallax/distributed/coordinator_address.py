@@ -26,6 +26,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair(host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A free port ``p`` whose neighbour ``p - 1`` is free too: the coordinator takes ``p``
+    and torchrun's ``MASTER_PORT`` (a ``torch.distributed`` store) ``p - 1``."""
+    for _ in range(tries):
+        port = free_port(host)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, port - 1))
+            return port
+        except OSError:
+            continue
+    return free_port(host)
+
+
 def check_port_free(address: str) -> None:
     """Node 0: the coordinator's port must be free to bind."""
     host, port = split_address(address)

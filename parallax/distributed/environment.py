@@ -9,11 +9,21 @@ process's id. :func:`detect` reads them, first source first:
 3. torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
    ``LOCAL_WORLD_SIZE``; the JAX coordinator listens on ``MASTER_PORT + 1``, because
    torchrun's own rendezvous store holds ``MASTER_PORT``;
-4. ``TF_CONFIG`` (TensorFlow's cluster spec and task): the chief and the workers are the
+4. horovodrun's ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK/SIZE``
+   (:mod:`parallax.distributed.launchers`);
+5. ``TF_CONFIG`` (TensorFlow's cluster spec and task): the chief and the workers are the
    processes, in that order, and the first of them hosts the coordinator at its address;
-5. JAX's own detection (SLURM, Open MPI, Cloud TPU, Kubernetes, ``JAX_COORDINATOR_ADDRESS``)
-   when one of those environments is visible;
-6. otherwise one process.
+6. mpirun's ``OMPI_COMM_WORLD_*`` (Open MPI) or ``PMI_*`` (MPICH, Intel MPI), then srun's
+   ``SLURM_*``: the numbers are read here, the coordinator is ``JAX_COORDINATOR_ADDRESS`` or
+   what JAX's own detection derives (SLURM's node list, Open MPI's HNP URI);
+7. JAX's own detection (Cloud TPU, Kubernetes, ``JAX_COORDINATOR_ADDRESS``) when one of
+   those environments is visible;
+8. otherwise one process, unless torchrun's ``RANK``/``WORLD_SIZE`` are set without a master
+   (refused).
+
+The innermost launcher comes first (``parallax launch`` or torchrun inside a SLURM
+allocation, mpirun under ``horovodrun --mpi``). A launcher whose environment lacks what
+``jax.distributed`` needs is refused with the variables seen and the fix.
 
 The result is a :class:`ClusterSpec`, a small immutable value; nothing here starts anything.
 """
@@ -24,7 +34,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
-from parallax.distributed import tf_config
+from parallax.distributed import launchers, tf_config
 from parallax.distributed.cluster import API, ClusterSpec, check_address
 
 #: The variables ``parallax launch`` sets for each process it starts.
@@ -50,13 +60,12 @@ ORIGINS = {
     "parallax launch": "parallax launch's PARALLAX_PROCESS_ID/PARALLAX_NUM_PROCESSES",
     "torchrun": "torchrun's RANK/WORLD_SIZE",
     "TF_CONFIG": "TF_CONFIG",
+    "horovodrun": "horovodrun's HOROVOD_RANK/HOROVOD_SIZE",
 }
 
 # Environments that jax.distributed.initialize() detects by itself (its ClusterEnv list).
 JAX_DETECTED_MARKERS = {
     "JAX_COORDINATOR_ADDRESS": "JAX_COORDINATOR_ADDRESS",
-    "SLURM_JOB_ID": "SLURM",
-    "OMPI_COMM_WORLD_SIZE": "Open MPI",
     "TPU_WORKER_HOSTNAMES": "Cloud TPU",
     "CLOUD_TPU_TASK_ID": "Cloud TPU",
     "JOBSET_NAME": "Kubernetes (JobSet)",
@@ -110,8 +119,8 @@ def from_launcher(env: Mapping[str, str]) -> ClusterSpec | None:
 def from_torchrun(env: Mapping[str, str]) -> ClusterSpec | None:
     """torchrun's variables (``MASTER_ADDR`` ... ``LOCAL_WORLD_SIZE``), if all are set."""
     present = [n for n in TORCHRUN_VARIABLES if n in env]
-    if not present:
-        return None
+    if "MASTER_ADDR" not in env and "MASTER_PORT" not in env:
+        return None  # RANK/WORLD_SIZE alone: maybe another launcher's (launchers.stray_torchrun)
     if len(present) < len(TORCHRUN_VARIABLES):
         missing = [n for n in TORCHRUN_VARIABLES if n not in env]
         raise ValueError(f"{API}: torchrun's {', '.join(present)} are set but "
@@ -133,10 +142,6 @@ def from_jax_detection(env: Mapping[str, str]) -> ClusterSpec | None:
     """A cluster JAX's own ``jax.distributed.initialize()`` detects, if one is visible."""
     for marker, name in JAX_DETECTED_MARKERS.items():
         if marker in env:
-            if marker == "SLURM_JOB_ID" and env.get("SLURM_NTASKS", "1") == "1":
-                continue  # one SLURM task: a single process
-            if marker == "OMPI_COMM_WORLD_SIZE" and env[marker] == "1":
-                continue
             return ClusterSpec(num_processes=None, process_id=None, source=f"jax ({name})")
     return None
 
@@ -172,8 +177,11 @@ def detect(coordinator: str | None = None, num_processes: int | None = None,
     env = os.environ if env is None else env
     _check_explicit(coordinator, num_processes, process_id, local_devices)
     found = None
-    for reader in (from_launcher, from_torchrun, tf_config.from_tf_config):
-        found = reader(env)
+    # an explicit coordinator supplies what other launchers' environments may lack
+    told = env if coordinator is None else {**env, launchers.COORDINATOR_VARIABLE: coordinator}
+    for reader in (from_launcher, from_torchrun, launchers.from_horovod,
+                   tf_config.from_tf_config, launchers.from_mpi, launchers.from_slurm):
+        found = reader(told if reader.__module__ == launchers.__name__ else env)
         if found is not None:
             break
     explicit = any(v is not None for v in (coordinator, num_processes, process_id))
@@ -181,7 +189,10 @@ def detect(coordinator: str | None = None, num_processes: int | None = None,
         if explicit:
             found = ClusterSpec(num_processes=None, process_id=None, source="explicit")
         else:
-            found = from_jax_detection(env) or ClusterSpec()
+            found = from_jax_detection(env)
+            if found is None:
+                launchers.stray_torchrun(env)
+                found = ClusterSpec()
     updates = {k: v for k, v in (("coordinator", coordinator), ("num_processes", num_processes),
                                  ("process_id", process_id)) if v is not None}
     if local_devices is not None:

@@ -6,7 +6,9 @@
 
 Each process gets the environment :func:`parallax.distributed.initialize` reads
 (``PARALLAX_COORDINATOR``, ``PARALLAX_NUM_PROCESSES``, ``PARALLAX_PROCESS_ID``, ... see
-:data:`parallax.distributed.environment.LAUNCH_VARIABLES`). Output lines are prefixed with
+:data:`parallax.distributed.environment.LAUNCH_VARIABLES`) and torchrun's variables with
+torchrun's meanings (:data:`~parallax.distributed.torchrun_exports.TORCHRUN_EXPORTS`), for scripts, data loaders and loggers
+written against torchrun. Output lines are prefixed with
 the rank. The first process to fail stops the group (:mod:`parallax.distributed.supervisor`)
 and the launcher exits with its code, naming it. With ``--max-restarts K`` the whole group is
 started again, up to K times, with ``PARALLAX_RESTART`` counting the restarts (a program
@@ -28,11 +30,14 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from parallax.distributed.coordinator_address import (LaunchError, check_port_free, free_port,
+from parallax.distributed.coordinator_address import (LaunchError, check_port_free,
+                                                       free_port, free_port_pair,
                                                        split_address, wait_for_coordinator)
 from parallax.distributed.supervisor import GroupResult, ProcessGroup
+from parallax.distributed.torchrun_exports import torchrun_environment
 
 PROG = "parallax launch"
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +166,7 @@ def plan(config: LaunchConfig, attempt: int, nproc: int | None = None,
     (``--min-np``, elastic training) replaces this function's choice of ``world_size``.
     """
     if config.coordinator is None:
-        coordinator = f"127.0.0.1:{free_port()}"
+        coordinator = f"127.0.0.1:{free_port_pair()}"  # and MASTER_PORT one below
         bind = coordinator
     else:
         coordinator = bind = config.coordinator
@@ -189,6 +194,9 @@ def environment(config: LaunchConfig, group: GroupPlan, rank: int,
         "PARALLAX_EXIT_GRACE": str(config.exit_grace_s),
         "PYTHONUNBUFFERED": "1",  # a failing rank's last lines must not die in a buffer
     })
+    env.update(torchrun_environment(group.coordinator, rank, group.ranks, group.world_size,
+                                    config.node_rank, config.nnodes, group.attempt,
+                                    config.max_restarts))
     env.pop("PARALLAX_EXIT_GATE_FD", None)
     if group.memory is not None:
         env["PARALLAX_ELASTIC_MEMORY"] = group.memory

@@ -15,22 +15,19 @@ A Horovod script keeps its shape:
         return optax.apply_updates(params, updates), opt_state, hvd.allreduce(loss)
 
 and runs with ``parallax launch -np 4 python train.py`` (Horovod's ``horovodrun -np 4``).
-Ranks are processes (``rank()``, ``size()``); inside ``@hvd.jit`` the reductions run over
-every device of every process (with one device per process, as in Horovod, the same thing).
+A rank is a device, as in Horovod (one rank per accelerator): ``size()`` counts every device
+of every process, which is what ``@hvd.jit``'s reductions run over; a process holding K
+devices holds K ranks and answers ``rank()`` for its first (:mod:`parallax.horovod.ranks`).
 Collectives are XLA's, started by ``jax.distributed``: no transport of our own.
 Elastic training: ``hvd.elastic.State`` / ``hvd.elastic.run`` (docs/checkpoint.md).
 
 Example:
-  >>> import parallax.horovod as hvd
+  >>> import jax, parallax.horovod as hvd
   >>> hvd.init()
-  >>> hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()
-  (0, 1, 0, 1)
+  >>> hvd.rank(), hvd.size() == jax.device_count(), hvd.local_rank()
+  (0, True, 0)
 """
 
-from parallax.distributed.runtime import local_rank as local_rank
-from parallax.distributed.runtime import local_size as local_size
-from parallax.distributed.runtime import rank as rank
-from parallax.distributed.runtime import size as size
 from parallax.horovod import elastic as elastic
 from parallax.horovod.broadcast import broadcast_object as broadcast_object
 from parallax.horovod.broadcast import broadcast_optimizer_state as broadcast_optimizer_state
@@ -53,6 +50,10 @@ from parallax.horovod.optimizer import DistributedOptimizerState as DistributedO
 from parallax.horovod.per_rank import PerRank as PerRank
 from parallax.horovod.program import jit as jit
 from parallax.horovod.program import mesh as mesh
+from parallax.horovod.ranks import local_rank as local_rank
+from parallax.horovod.ranks import local_size as local_size
+from parallax.horovod.ranks import rank as rank
+from parallax.horovod.ranks import size as size
 from parallax.horovod.runtime import init as init
 from parallax.horovod.runtime import is_initialized as is_initialized
 from parallax.horovod.runtime import shutdown as shutdown

@@ -2,7 +2,8 @@
 
 Processes that start from different seeds (or a restarted process) train one model once
 every process holds rank 0's parameters and optimizer state; these are
-``px.distributed.broadcast`` under Horovod's names.
+``px.distributed.broadcast`` under Horovod's names. ``root_rank`` is a Horovod rank (one per
+device, :mod:`parallax.horovod.ranks`): the process holding it sends.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import pickle
 import jax
 import numpy as np
 
-from parallax.distributed.broadcasting import broadcast
+from parallax.distributed import broadcasting
+from parallax.horovod.ranks import owner
+
+
+def broadcast(tree, root_rank: int, api: str = "hvd.broadcast_parameters"):
+    """``px.distributed.broadcast`` from the process holding rank ``root_rank``."""
+    return broadcasting.broadcast(tree, owner(api, root_rank))
 
 
 def broadcast_parameters(params, root_rank: int = 0):
@@ -21,7 +28,7 @@ def broadcast_parameters(params, root_rank: int = 0):
     Args:
       params: a pytree (numpy, process-local or global ``jax.Array`` s, e.g. a
         ``px.TrainState`` from ``px.init``).
-      root_rank: the process whose values win.
+      root_rank: the rank whose values win (its process sends).
 
     Returns:
       The tree with root's values, each leaf keeping its kind and sharding.
@@ -47,7 +54,7 @@ def broadcast_optimizer_state(opt_state, root_rank: int = 0):
     References:
       Horovod ``broadcast_optimizer_state``.
     """
-    return broadcast(opt_state, root_rank)
+    return broadcast(opt_state, root_rank, "hvd.broadcast_optimizer_state")
 
 
 def broadcast_object(obj, root_rank: int = 0):
@@ -61,12 +68,13 @@ def broadcast_object(obj, root_rank: int = 0):
     References:
       Horovod ``broadcast_object``.
     """
+    root = owner("hvd.broadcast_object", root_rank)
     if jax.process_count() == 1:
         return obj
-    data = np.frombuffer(pickle.dumps(obj), np.uint8) if jax.process_index() == root_rank else \
+    data = np.frombuffer(pickle.dumps(obj), np.uint8) if jax.process_index() == root else \
         np.zeros(0, np.uint8)
-    size = int(broadcast(np.int64(data.size), root_rank))
+    size = int(broadcasting.broadcast(np.int64(data.size), root))
     buffer = np.zeros(size, np.uint8)
-    if jax.process_index() == root_rank:
+    if jax.process_index() == root:
         buffer[:] = data
-    return pickle.loads(broadcast(buffer, root_rank).tobytes())
+    return pickle.loads(broadcasting.broadcast(buffer, root).tobytes())

@@ -3,10 +3,12 @@
 Each works in two places, like Horovod's ops inside and outside ``tf.function``:
 
 - **eagerly, on process-local values** (numpy, Python numbers, arrays on this process's
-  devices): the ranks are the processes. Each value becomes its process's row of a global
-  array (:mod:`parallax.distributed.local_arrays`) and one jitted program reduces, gathers or
-  selects rows; XLA runs the collective (gloo on CPU, NCCL on GPU). Results come back in the
-  input's kind.
+  devices): each value becomes its process's row of a global array
+  (:mod:`parallax.distributed.local_arrays`) and one jitted program reduces, gathers or
+  selects rows; XLA runs the collective (gloo on CPU, NCCL on GPU). A rank is a device
+  (:mod:`parallax.horovod.ranks`), so a process's value stands for each of its K ranks: a
+  Sum counts it K times, an allgather repeats it K times, as for a replicated argument of
+  ``@hvd.jit``. Results come back in the input's kind.
 - **inside a program over the Horovod axis** (``@hvd.jit``, or any ``shard_map`` binding the
   axis ``"data"``): the ranks are the devices along that axis, and the ops are
   ``parallax.comm``'s collectives (``psum``, ``all_gather``, ...), or Adasum's ppermute rounds.
@@ -32,7 +34,8 @@ from parallax.distributed import local_arrays
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
 
-AXIS = "data"  # the mesh axis of @hvd.jit: every device of every process
+from parallax.horovod.ranks import AXIS as AXIS
+from parallax.horovod.ranks import owner, per_process
 
 
 def in_program(api: str, tree, axis_name: str) -> bool:
@@ -52,7 +55,7 @@ def in_program(api: str, tree, axis_name: str) -> bool:
 def _program(kind: str, *static):
     """One jitted program per kind and static arguments (jit caches by function identity)."""
     if kind == "reduce":
-        fn = functools.partial(_reduce_rows, op=static[0], wide=static[1])
+        fn = functools.partial(_reduce_rows, op=static[0], wide=static[1], copies=static[2])
     elif kind == "pick":
         fn = functools.partial(_pick, root=static[0])
     else:
@@ -74,8 +77,9 @@ def _eager(program, value, out_like):
     return local_arrays.like(local_arrays.local_copy(out), out_like)
 
 
-def _reduce_rows(rows, op: ReduceOp, wide):
-    rows = rows.astype(wide)
+def _reduce_rows(rows, op: ReduceOp, wide, copies: int):
+    """Reduces ``[processes, ...]`` over the ranks: each process's row counts ``copies`` times."""
+    rows = jnp.repeat(rows.astype(wide), copies, axis=0) if copies > 1 else rows.astype(wide)
     if op in (ReduceOp.Sum, ReduceOp.Average):
         total = jnp.sum(rows, axis=0)
         return total / rows.shape[0] if op is ReduceOp.Average else total
@@ -93,6 +97,7 @@ def _reduce_on_host(api: str, sent: np.ndarray, op: ReduceOp, wide) -> np.ndarra
     every = local_arrays.from_bytes(
         _eager(_program("gather"), local_arrays.as_bytes(sent), out_like=np.zeros(0)),
         sent.dtype, (jax.process_count(),) + sent.shape).astype(wide)
+    every = np.repeat(every, per_process(), axis=0)  # one row per rank
     reduce = {ReduceOp.Sum: np.sum, ReduceOp.Average: np.mean, ReduceOp.Min: np.min,
               ReduceOp.Max: np.max, ReduceOp.Product: np.prod}[op]
     return reduce(every, axis=0)
@@ -126,8 +131,10 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
     Example:
       >>> import numpy as np, parallax.horovod as hvd
-      >>> hvd.allreduce(np.array([1.0, 2.0]), op=hvd.Sum)       # one process: itself
+      >>> hvd.allreduce(np.array([1.0, 2.0]))                   # the average over the ranks
       array([1., 2.])
+      >>> bool((hvd.allreduce(np.ones(2), op=hvd.Sum) == hvd.size()).all())   # one per rank
+      True
 
     References:
       Sergeev & Del Balso 2018, "Horovod"; ``MPI_Allreduce``.
@@ -154,7 +161,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         sent = np.asarray(x * prescale_factor if prescale_factor != 1.0 else x).astype(
             wire.wire_dtype(x.dtype))
         if jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
-            out = np.asarray(_eager(_program("reduce", op, wide), sent, out_like=sent))
+            out = np.asarray(_eager(_program("reduce", op, wide, per_process()), sent,
+                                    out_like=sent))
         else:  # 64-bit without jax_enable_x64: gather exactly, reduce on the host
             out = _reduce_on_host(api, sent, op, wide)
         out = out * postscale_factor if postscale_factor != 1.0 else out
@@ -176,13 +184,13 @@ def _shapes(api: str, x) -> np.ndarray:
 def allgather(tensor, name=None, *, axis_name: str = AXIS):
     """Concatenates every rank's ``tensor`` along the first dimension (Horovod's ``allgather``).
 
-    Eagerly the ranks' first dimensions may differ (the others must match); inside a program
-    they are equal.
+    Eagerly the ranks' first dimensions may differ (the others must match), and a process's
+    tensor appears once per rank it holds; inside a program they are equal.
 
     Example:
       >>> import numpy as np, parallax.horovod as hvd
-      >>> hvd.allgather(np.arange(3))
-      array([0, 1, 2])
+      >>> hvd.allgather(np.arange(3)).shape == (3 * hvd.size(),)  # this process's, per rank
+      True
 
     References:
       ``MPI_Allgatherv``; Horovod ``allgather``.
@@ -192,11 +200,11 @@ def allgather(tensor, name=None, *, axis_name: str = AXIS):
     if in_program(api, tensor, axis_name):
         return comm.all_gather(tensor, axis_name, dim=0, tiled=True)
     x = tensor if isinstance(tensor, jax.Array) else np.asarray(tensor)
-    if jax.process_count() == 1:
-        return local_arrays.like(np.asarray(x), tensor)
     if np.ndim(x) == 0:
         raise ValueError(f"{api}: tensor is a scalar; allgather concatenates along the first "
                          "dimension, so pass at least one dimension (e.g. x[None]).")
+    if jax.process_count() == 1:
+        return local_arrays.like(np.concatenate([np.asarray(x)] * per_process()), tensor)
     shapes = _shapes(api, x)
     if (shapes[:, 1:] != shapes[0, 1:]).any():
         raise ValueError(f"{api}: the ranks' tensors differ beyond the first dimension: shapes "
@@ -207,7 +215,8 @@ def allgather(tensor, name=None, *, axis_name: str = AXIS):
     padded[: x.shape[0]] = x
     every = _eager(_program("gather"), local_arrays.as_bytes(padded), out_like=np.zeros(0))
     every = local_arrays.from_bytes(every, x.dtype, (len(shapes),) + padded.shape)
-    out = np.concatenate([every[p, :n] for p, n in enumerate(shapes[:, 0])])
+    out = np.concatenate([every[p, :n] for p, n in enumerate(shapes[:, 0])
+                          for _ in range(per_process())])  # a process's tensor per rank
     return local_arrays.like(out, tensor)
 
 
@@ -233,14 +242,12 @@ def broadcast(tensor, root_rank: int, name=None, *, axis_name: str = AXIS):
     api = "hvd.broadcast"
     if in_program(api, tensor, axis_name):
         return comm.broadcast(tensor, axis_name, root=root_rank)
-    if not 0 <= root_rank < jax.process_count():
-        raise ValueError(f"{api}: root_rank={root_rank} is not a rank of this job "
-                         f"(0 .. {jax.process_count() - 1}).")
+    root_process = owner(api, root_rank)
 
     def one(x):
         _same_shape(api, x)
         value = np.asarray(x)
-        picked = _eager(_program("pick", root_rank), local_arrays.as_bytes(value),
+        picked = _eager(_program("pick", root_process), local_arrays.as_bytes(value),
                         out_like=np.zeros(0))
         return local_arrays.like(local_arrays.from_bytes(picked, value.dtype, value.shape), x)
 
@@ -269,8 +276,11 @@ def alltoall(tensor, splits=None, name=None, *, axis_name: str = AXIS):
 
     Example:
       >>> import numpy as np, parallax.horovod as hvd
-      >>> hvd.alltoall(np.arange(4))
+      >>> hvd.alltoall(np.arange(4))  # doctest: +SKIP
       array([0, 1, 2, 3])
+
+      (Eagerly with one device per process; a process of several ranks calls it inside
+      ``@hvd.jit``.)
 
     References:
       ``MPI_Alltoallv``; Horovod ``alltoall``.
@@ -283,6 +293,13 @@ def alltoall(tensor, splits=None, name=None, *, axis_name: str = AXIS):
                              "inside a program every rank sends equal parts.")
         return comm.all_to_all(tensor, axis_name, split_dim=0, concat_dim=0)
     x = np.asarray(tensor)
+    if per_process() > 1:
+        first = jax.process_index() * per_process()
+        raise ValueError(
+            f"{api}: this process holds ranks {first} .. {first + per_process() - 1} "
+            f"({per_process()} devices), and each of them would receive different parts, "
+            "which one process-local result cannot hold. Call hvd.alltoall inside @hvd.jit "
+            "(each device is a rank there), or run one device per process.")
     count, me = jax.process_count(), jax.process_index()
     if splits is None:
         if np.ndim(x) == 0 or x.shape[0] % count:

@@ -10,14 +10,21 @@ gradient of the global batch. Where it runs decides how it reduces:
   bucket is summed by ``parallax.comm``'s point-to-point exchanges instead of XLA's
   all-reduce, which is faster on CPU clusters over gloo: see ``docs/distributed.md``), or
   Adasum's pairwise rounds;
-- eagerly, on process-local gradients: one jitted program over the processes' rows;
+- eagerly, on process-local gradients: one jitted program over the processes' rows, each
+  standing for the process's K ranks (one per device, :mod:`parallax.horovod.ranks`);
 - inside ``px.train_step``: the strategy (``px.DataParallel``, ZeRO, ...) has already
   averaged the gradients over the batch axes, so only the local accumulation below applies.
 
-``backward_passes_per_step=k`` accumulates ``k`` calls' gradients locally (their mean) and
-synchronises and applies once, on the ``k``-th; the other calls return zero updates. This is
-also DDP's ``no_sync``: ``k`` micro-batches of ``B/k`` rows train exactly like one batch of
-``B``. ``gradient_predivide_factor=f`` divides by ``f`` before the sum and by ``size/f`` after
+``backward_passes_per_step=k`` accumulates ``k`` calls' gradients locally and synchronises
+and applies once, on the ``k``-th; the other calls return zero updates. As in Horovod, the
+``k`` gradients are *summed* (horovod/torch/optimizer.py lets ``p.grad`` accumulate and
+all-reduces the sum; horovod/tensorflow/gradient_aggregation.py and
+gradient_aggregation_eager.py divide by ``k`` only with ``average_aggregated_gradients=True``,
+default False), which is also what DDP's ``no_sync`` gives. So ``k`` micro-batches of ``B/k``
+rows with mean losses step like one batch of ``B`` with ``k`` times the gradient; pass
+``average_aggregated_gradients=True`` (or divide the loss by ``k``, as PyTorch users do) for
+exactly the big batch. (``px.GradientAccumulation`` and ``px.value_and_grad(microbatches=)``
+take the mean instead: they split one batch.) ``gradient_predivide_factor=f`` divides by ``f`` before the sum and by ``size/f`` after
 (with ``op=hvd.Average`` only), to keep fp16 sums in range.
 """
 
@@ -38,6 +45,7 @@ from parallax.distributed import local_arrays
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.collectives import AXIS
 from parallax.horovod.per_rank import PerRank
+from parallax.horovod.ranks import per_process
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
 from parallax.strategies.sync import SYNC_ALGORITHMS
 
@@ -78,14 +86,15 @@ def _mode(grads, axis_name: str) -> str:
 def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes: int,
             axis_name: str, algorithm: str):
     """The gradients reduced over the ranks as ``op`` says (mean for Average)."""
-    if mode == "strategy" or (mode == "eager" and jax.process_count() == 1):
+    if mode == "strategy" or (mode == "eager" and jax.device_count() == 1):
         return grads  # reduced by the strategy already, or one rank
+    # eagerly a process's gradient stands for each of its K ranks (parallax.horovod.ranks)
     leaves, treedef = jax.tree.flatten(grads)
     if op is ReduceOp.Adasum:
         rounded = [g.astype(wire.wire_dtype(g.dtype)).astype(g.dtype) for g in leaves]
         if mode == "program":
             return jax.tree.unflatten(treedef, adasum_all_reduce(rounded, axis_name))
-        summed = _eager_rows(("adasum",), rounded)
+        summed = _eager_rows(("adasum", per_process()), rounded)
         return jax.tree.unflatten(treedef, summed)
     scaled = [g / predivide for g in leaves] if predivide != 1.0 else leaves
     if mode == "program":
@@ -93,29 +102,32 @@ def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes
         summed = comm.bucketed_all_reduce(scaled, axis_name, bucket_bytes=fusion_bytes,
                                           op="sum", compression=wire, algorithm=algorithm)
     else:
-        ranks = jax.process_count()
+        ranks = jax.device_count()
         sent = [np.asarray(g).astype(wire.wire_dtype(g.dtype)) for g in scaled]
         wide = [wire.accumulate_dtype(g.dtype) for g in scaled]
-        summed = _eager_rows(("sum", tuple(wide), tuple(g.dtype for g in scaled)), sent)
+        summed = _eager_rows(("sum", tuple(wide), tuple(g.dtype for g in scaled),
+                              per_process()), sent)
     if op is ReduceOp.Average:
         summed = [s * (predivide / ranks) for s in summed]
     return jax.tree.unflatten(treedef, summed)
 
 
-def _adasum_rows(rows):
-    return [adasum_stack(r) for r in rows]
+def _adasum_rows(rows, copies):
+    return [adasum_stack(jnp.repeat(r, copies, axis=0)) for r in rows]  # one row per rank
 
 
-def _sum_rows(rows, wide, out):
-    return [jnp.sum(r.astype(w), axis=0).astype(o) for r, w, o in zip(rows, wide, out)]
+def _sum_rows(rows, wide, out, copies):
+    return [(jnp.sum(r.astype(w), axis=0) * copies).astype(o)
+            for r, w, o in zip(rows, wide, out)]
 
 
 @functools.cache
 def _jitted(kind: tuple):
     """One jitted program per kind (jit caches by function identity)."""
     if kind[0] == "adasum":
-        return jax.jit(_adasum_rows, out_shardings=local_arrays.replicated())
-    return jax.jit(functools.partial(_sum_rows, wide=kind[1], out=kind[2]),
+        return jax.jit(functools.partial(_adasum_rows, copies=kind[1]),
+                       out_shardings=local_arrays.replicated())
+    return jax.jit(functools.partial(_sum_rows, wide=kind[1], out=kind[2], copies=kind[3]),
                    out_shardings=local_arrays.replicated())
 
 
@@ -127,7 +139,8 @@ def _eager_rows(kind: tuple, leaves):
 
 def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
-                         op=ReduceOp.Average, gradient_predivide_factor: float = 1.0, *,
+                         op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, *,
                          fusion_bytes: int = FUSION_BYTES, algorithm: str = "xla",
                          axis_name: str = AXIS) -> optax.GradientTransformation:
     """Wraps ``tx`` so that its updates use the gradients averaged over every rank.
@@ -136,9 +149,12 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       tx: the optax optimizer to wrap.
       named_parameters: accepted for Horovod's signature (optax sees the whole tree).
       compression: ``hvd.Compression.none|fp16|bf16``: gradients travel in 16 bits.
-      backward_passes_per_step: calls accumulated locally per synchronisation.
+      backward_passes_per_step: calls accumulated locally per synchronisation; their
+        gradients are summed, as in Horovod and DDP's ``no_sync``.
       op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
       gradient_predivide_factor: split Average's division around the sum (Average only).
+      average_aggregated_gradients: divide the ``backward_passes_per_step`` accumulated
+        gradients by their number (Horovod TensorFlow's flag, default False: the sum).
       fusion_bytes: bucket capacity of the fused all-reduce (Horovod's fusion threshold).
       algorithm: how each bucket is summed inside a program: ``"xla"`` (XLA's all-reduce:
         NCCL on GPU, ICI on TPU, gloo on CPU) or ``"tree"``, ``"ring"``, ``"auto"``
@@ -159,12 +175,14 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       >>> updates["w"].tolist(), int(state.count)
       ([0.0, 0.0], 1)
       >>> updates, state = tx.update({"w": jnp.ones(2)}, state, params)   # synced, applied
-      >>> [round(u, 6) for u in updates["w"].tolist()], int(state.count)
-      ([-0.1, -0.1], 0)
+      >>> [round(u, 6) for u in updates["w"].tolist()], int(state.count)   # the sum, as Horovod
+      ([-0.2, -0.2], 0)
 
     References:
-      Sergeev & Del Balso 2018, "Horovod" (DistributedOptimizer, tensor fusion); Li et al.
-      2020, "PyTorch Distributed" (``no_sync``); Maleki et al. 2020 (Adasum).
+      Sergeev & Del Balso 2018, "Horovod" (DistributedOptimizer, tensor fusion); Horovod's
+      horovod/torch/optimizer.py and horovod/tensorflow/gradient_aggregation.py
+      (``backward_passes_per_step``, ``average_aggregated_gradients``); Li et al. 2020,
+      "PyTorch Distributed" (``no_sync``); Maleki et al. 2020 (Adasum).
     """
     del named_parameters
     if not isinstance(tx, optax.GradientTransformation):
@@ -186,6 +204,10 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
     k = backward_passes_per_step
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{API}: backward_passes_per_step={k!r} must be an int >= 1.")
+    if not isinstance(average_aggregated_gradients, bool):
+        raise TypeError(f"{API}: average_aggregated_gradients must be a bool, got "
+                        f"{type(average_aggregated_gradients).__name__}.")
+    divisor = k if average_aggregated_gradients else 1
     factor = float(gradient_predivide_factor)
     if factor <= 0 or (factor != 1.0 and op is not ReduceOp.Average):
         raise ValueError(f"{API}: gradient_predivide_factor={gradient_predivide_factor!r} must "
@@ -207,8 +229,10 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
         count = state.count + 1
 
         def apply(_):
-            mean = jax.tree.map(lambda a: a / k, accumulated)
-            updates, inner = tx.update(reduce(mean), state.inner, params)
+            # Horovod sums the k passes (divides only with average_aggregated_gradients)
+            total = (jax.tree.map(lambda a: a / divisor, accumulated) if divisor > 1
+                     else accumulated)
+            updates, inner = tx.update(reduce(total), state.inner, params)
             return updates, inner, jax.tree.map(jnp.zeros_like, accumulated), jnp.zeros_like(count)
 
         def wait(_):

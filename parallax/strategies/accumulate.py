@@ -1,4 +1,4 @@
-"""Gradient accumulation: split each device's batch into micro-batches, sum their gradients.
+"""Gradient accumulation: split each device's batch into micro-batches, average their gradients.
 
 The mechanism (the split and the ``lax.scan``) is :mod:`parallax.grad.microbatches`, which
 ``px.value_and_grad(microbatches=k)`` and the pipelines use too.
@@ -15,7 +15,10 @@ def GradientAccumulation(microbatches: int) -> Strategy:
 
     Peak activation memory is that of one micro-batch; the result is numerically the full
     batch's (a mean of equal-sized means), up to float rounding. Compose it with any
-    data-parallel strategy: the split happens on each device's local batch.
+    data-parallel strategy: the split happens on each device's local batch. It takes the
+    *mean* of the micro-batches' gradients because it splits one batch; Horovod's
+    ``backward_passes_per_step`` (``hvd.DistributedOptimizer``) and DDP's ``no_sync``
+    accumulate separate steps' gradients and *sum* them.
 
     Example:
       >>> import parallax as px

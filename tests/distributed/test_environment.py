@@ -79,12 +79,16 @@ def test_order_explicit_then_launcher_then_torchrun_then_tf_config():
         "127.0.0.1:9", 2, 1, "explicit")
 
 
-def test_jax_detects_slurm_and_mpi_itself():
-    spec = distributed.detect(env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})
-    assert spec.auto and spec.source == "jax (SLURM)" and spec.num_processes is None
+def test_jax_detects_slurm_and_mpi_coordinators_itself():
+    """(SLURM, MPI and horovodrun in detail: test_launcher_environments.py.)"""
+    spec = distributed.detect(env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "1",
+                                   "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "n1"})
+    assert spec.auto and spec.source == "jax (SLURM)" and spec.num_processes == 4
     assert distributed.detect(env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).source == (
         "single process")
-    assert distributed.detect(env={"OMPI_COMM_WORLD_SIZE": "2"}).source == "jax (Open MPI)"
+    spec = distributed.detect(env={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+                                   "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"})
+    assert spec.source == "jax (Open MPI)" and spec.process_id == 1
 
 
 @pytest.mark.parametrize("text, message", [
@@ -158,3 +162,27 @@ def test_initialize_is_a_no_op_for_one_process_and_idempotent(monkeypatch):
         distributed.initialize("127.0.0.1:9", 2, 1)
     with pytest.raises(TypeError, match=r"px\.distributed\.barrier: name must be a str"):
         distributed.barrier(3)
+
+
+def test_launcher_exports_torchruns_contract_read_back_as_the_same_cluster():
+    """Two nodes of two: torchrun's numbers for global rank 3 (torch/distributed/elastic/
+    agent/server/local_elastic_agent.py): GROUP_RANK is the node, ROLE_* the one role's; the
+    torchrun reading of them (MASTER_PORT + 1) names the launcher's own coordinator."""
+    config = launch.LaunchConfig(("python",), nproc=2, nnodes=2, node_rank=1,
+                                 coordinator="10.0.0.1:1234", max_restarts=2)
+    env = launch.environment(config, launch.plan(config, attempt=1), 3, base={})
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")} == {
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1233", "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_MAX_RESTARTS": "2"}
+    as_launched = distributed.detect(env=env)
+    as_torchrun = distributed.detect(env={k: v for k, v in env.items()
+                                          if not k.startswith("PARALLAX_")})
+    assert (as_torchrun.coordinator, as_torchrun.num_processes, as_torchrun.process_id,
+            as_torchrun.local_rank, as_torchrun.local_size) == (
+        as_launched.coordinator, as_launched.num_processes, as_launched.process_id,
+        as_launched.local_rank, as_launched.local_size)

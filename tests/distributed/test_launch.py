@@ -130,3 +130,29 @@ def test_blame_prefers_the_cause_over_ranks_that_lost_a_peer():
     assert supervisor.blame([victim, cause]) is cause
     assert supervisor.blame([victim]) is victim
     assert victim.status() == "was killed by signal SIGABRT (6)" and victim.exit_code() == 134
+
+
+def test_workers_get_torchruns_variables_with_torchruns_meanings(capfd):
+    """A script written for torchrun reads RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT (and GROUP_*, ROLE_*, TORCHELASTIC_*) under ``parallax launch``
+    with the meanings torchrun's agent gives them
+    (torch/distributed/elastic/agent/server/local_elastic_agent.py, ``_start_workers``)."""
+    result, out, err, _ = launch_here(capfd, "-np", "2", "--max-restarts", "1", sys.executable,
+                                      program("torchrun_env.py"))
+    assert result == 0, err
+    import json
+    seen = {int(e["RANK"]): e for e in (json.loads(line.partition("torchrun ")[2])
+                                        for line in out.splitlines() if "torchrun {" in line)}
+    assert sorted(seen) == [0, 1], out
+    coordinator = seen[0]["PARALLAX_COORDINATOR"]
+    host, _, port = coordinator.rpartition(":")
+    for rank, env in seen.items():
+        assert env == {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "2", "ROLE_NAME": "default",
+            "MASTER_ADDR": host, "MASTER_PORT": str(int(port) - 1),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "1",
+            "TORCHELASTIC_RUN_ID": env["TORCHELASTIC_RUN_ID"],
+            "TORCHELASTIC_USE_AGENT_STORE": "False", "PARALLAX_COORDINATOR": coordinator}
+    assert seen[0]["TORCHELASTIC_RUN_ID"] == seen[1]["TORCHELASTIC_RUN_ID"]

@@ -41,7 +41,7 @@ def test_two_nodes_on_localhost_train_five_strategies_like_one_device():
     # the pipeline's stage axis spans the processes: both load the whole batch
     assert re.search(r'"1F1B over processes", "mesh": \{"stage": 2, "data": 2\}, "rows": \[0, 8\]',
                      out1)
-    assert_horovod_agrees(node0.stdout + out1, 2, train=True)
+    assert_horovod_agrees(node0.stdout + out1, 2, train=True, devices=2)
 
 
 def test_a_jax_rank_that_exits_mid_training_ends_the_run_with_its_code():

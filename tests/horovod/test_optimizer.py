@@ -105,7 +105,8 @@ def test_no_sync_k_micro_steps_are_one_big_batch_with_one_sync():
     ref_losses, ref_params = one_device(optax.sgd(0.1, momentum=0.9), big)
     micro = [{key: v[i * ROWS:(i + 1) * ROWS] for key, v in b.items()} for b in big
              for i in range(k)]
-    tx = hvd.DistributedOptimizer(optax.sgd(0.1, momentum=0.9), backward_passes_per_step=k)
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1, momentum=0.9), backward_passes_per_step=k,
+                                  average_aggregated_gradients=True)
     params, state = init_params(), tx.init(init_params())
     _, _, step = horovod(tx, [])
     for i, batch in enumerate(micro):
@@ -119,6 +120,36 @@ def test_no_sync_k_micro_steps_are_one_big_batch_with_one_sync():
     found = [c for c in hlo.collectives(step.lower(params, state, micro[0]).compile(), hvd.mesh())
              if c.kind == "all-reduce" and c.message_bytes > 4]
     assert found and all(c.conditional for c in found)
+
+
+def test_backward_passes_sum_as_horovod_and_no_sync_do():
+    """Horovod sums the k local gradients and does not divide by k unless asked:
+    horovod/torch/optimizer.py accumulates in ``p.grad`` and all-reduces that sum (DDP's
+    ``no_sync`` likewise); horovod/tensorflow/gradient_aggregation.py and
+    gradient_aggregation_eager.py divide by ``backward_passes_per_step`` only with
+    ``average_aggregated_gradients=True`` (default False). Two calls of a gradient of ones
+    under sgd(0.1): -0.2 (the sum), -0.1 with averaging."""
+    params = {"w": jnp.ones(2)}
+    for average, want in ((False, -0.2), (True, -0.1)):
+        tx = hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=2,
+                                      average_aggregated_gradients=average)
+        state = tx.init(params)
+        _, state = tx.update({"w": jnp.ones(2)}, state, params)
+        updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+        np.testing.assert_allclose(updates["w"], [want, want], rtol=1e-6)
+    # inside @hvd.jit, k micro-steps of the summed gradient = one step of k times the
+    # big batch's mean gradient (sgd: k times the learning rate)
+    k = 2
+    big = data(steps=2, rows=ROWS * k)
+    _, ref_params = one_device(optax.sgd(0.1 * k), big)
+    micro = [{key: v[i * ROWS:(i + 1) * ROWS] for key, v in b.items()} for b in big
+             for i in range(k)]
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=k)
+    params, state = init_params(), tx.init(init_params())
+    _, _, step = horovod(tx, [])
+    for batch in micro:
+        params, state, _ = step(params, state, batch)
+    close(params, ref_params, 1e-5)
 
 
 def test_fused_buckets_in_reverse_order():
@@ -159,7 +190,8 @@ def test_inside_px_train_step_the_strategy_has_already_averaged():
     ref = px.testing.train(make(optax.sgd(0.1)), px.models.mse_loss, big)
     micro = [{key: v[i * ROWS:(i + 1) * ROWS] for key, v in b.items()} for b in big
              for i in range(k)]
-    wrapped = hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=k)
+    wrapped = hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=k,
+                                       average_aggregated_gradients=True)
     run = px.testing.train(make(wrapped), px.models.mse_loss, micro,
                            mesh=px.make_mesh(data=8), strategy=px.DataParallel("data"))
     close(run.final_params, ref.final_params, 1e-5)

@@ -87,9 +87,10 @@ def main():
     params = [np.asarray(multihost_utils.process_allgather(leaf, tiled=True))  # whole arrays
               for leaf in jax.tree.leaves(state.train_state.params)]
     if hvd.rank() == 0:
-        np.savez(args.out, losses=np.array(losses), processes=hvd.size(),
+        np.savez(args.out, losses=np.array(losses), processes=jax.process_count(),
                  **{f"p{i}": p for i, p in enumerate(params)})
-    print(f"rank {hvd.rank()} done at step {state.step} on {hvd.size()} processes", flush=True)
+    print(f"rank {hvd.rank()} done at step {state.step} on {jax.process_count()} processes",
+          flush=True)
     hvd.shutdown()
 
 

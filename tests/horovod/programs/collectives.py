@@ -27,7 +27,9 @@ from jax.experimental import multihost_utils  # noqa: E402
 import parallax as px  # noqa: E402
 from tests.horovod import adasum_reference  # noqa: E402
 
-RANK, SIZE = hvd.rank(), hvd.size()
+# eager values are per process; each stands for the process's K ranks (one per device)
+RANK, SIZE = jax.process_index(), jax.process_count()
+K = jax.local_device_count()
 
 
 def inputs(rank, shape=(5, 3), dtype=np.float32):
@@ -35,6 +37,7 @@ def inputs(rank, shape=(5, 3), dtype=np.float32):
 
 
 EVERY = np.stack([inputs(r) for r in range(SIZE)])
+RANKS = np.repeat(EVERY, K, axis=0)  # one row per Horovod rank
 
 
 def check(name, got, want, rtol=1e-6, exact=False):
@@ -47,31 +50,58 @@ def check(name, got, want, rtol=1e-6, exact=False):
     print(f"ok {name}", flush=True)
 
 
+def ranks_are_devices():
+    """One rank per device: size() counts what the collectives reduce over."""
+    check("hvd.size() counts devices", [hvd.size(), hvd.rank(), hvd.local_size()],
+          [SIZE * K, RANK * K, px.distributed.local_size() * K], exact=True)
+
+    @hvd.jit
+    def numbers(batch):
+        return hvd.allgather(hvd.rank()[None]), hvd.allreduce(jnp.ones(()), op=hvd.Sum)
+
+    ranks, ones = numbers(np.zeros((K, 1), np.float32))
+    check("@hvd.jit ranks", ranks, np.arange(SIZE * K), exact=True)
+    check("Sum of ones is hvd.size()", [float(ones), float(hvd.allreduce(
+        np.float32(1), op=hvd.Sum))], [hvd.size(), hvd.size()], exact=True)
+
+
 def eager_collectives():
     mine = inputs(RANK)
-    check("allreduce sum", hvd.allreduce(mine, op=hvd.Sum), EVERY.sum(0))
-    check("allreduce average", hvd.allreduce(mine), EVERY.mean(0))
+    check("allreduce sum", hvd.allreduce(mine, op=hvd.Sum), RANKS.sum(0))
+    check("allreduce average", hvd.allreduce(mine), RANKS.mean(0))
     check("allreduce min", hvd.allreduce(mine, op=hvd.Min), EVERY.min(0), exact=True)
     check("allreduce max", hvd.allreduce(mine, op=hvd.Max), EVERY.max(0), exact=True)
-    check("allreduce product", hvd.allreduce(mine, op=hvd.Product), EVERY.prod(0))
+    check("allreduce product", hvd.allreduce(mine, op=hvd.Product), RANKS.prod(0))
     check("allreduce pre/postscale", hvd.allreduce(mine, op=hvd.Sum, prescale_factor=0.5,
-                                                   postscale_factor=3.0), EVERY.sum(0) * 1.5)
-    rounded = EVERY.astype(np.float16).astype(np.float32)
+                                                   postscale_factor=3.0), RANKS.sum(0) * 1.5)
+    rounded = RANKS.astype(np.float16).astype(np.float32)
     check("allreduce fp16", hvd.allreduce(mine, op=hvd.Sum, compression=hvd.Compression.fp16),
           rounded.sum(0).astype(np.float16).astype(np.float32), rtol=1e-3)
     wide = np.stack([inputs(r, dtype=np.float64) for r in range(SIZE)])
-    check("allreduce float64", hvd.allreduce(wide[RANK], op=hvd.Sum), wide.sum(0), exact=True)
+    check("allreduce float64", hvd.allreduce(wide[RANK], op=hvd.Sum),
+          np.repeat(wide, K, axis=0).sum(0), exact=True)
     ints = np.arange(6, dtype=np.int32) * (RANK + 1)
     check("allreduce int32", hvd.allreduce(ints, op=hvd.Sum),
-          np.arange(6) * sum(range(1, SIZE + 1)), exact=True)
-    check("allreduce jax array", hvd.allreduce(jnp.asarray(mine)), EVERY.mean(0))
+          np.arange(6) * sum(range(1, SIZE + 1)) * K, exact=True)
+    check("allreduce jax array", hvd.allreduce(jnp.asarray(mine)), RANKS.mean(0))
     check("allreduce adasum", hvd.allreduce(mine, op=hvd.Adasum),
-          adasum_reference.adasum(list(EVERY)), rtol=1e-5)
+          adasum_reference.adasum(list(RANKS)), rtol=1e-5)
     rows = [inputs(r, shape=(r + 1, 3)) for r in range(SIZE)]
-    check("allgather ragged", hvd.allgather(rows[RANK]), np.concatenate(rows))
-    for root in (0, SIZE - 1):
-        check(f"broadcast from {root}", hvd.broadcast(wide[RANK], root_rank=root), wide[root],
-              exact=True)
+    check("allgather ragged", hvd.allgather(rows[RANK]),
+          np.concatenate([rows[r] for r in range(SIZE) for _ in range(K)]))
+    for root in (0, SIZE * K - 1):  # Horovod ranks: the process holding the root sends
+        check(f"broadcast from {root}", hvd.broadcast(wide[RANK], root_rank=root),
+              wide[root // K], exact=True)
+    if K > 1:  # each of a process's ranks would receive different parts
+        try:
+            hvd.alltoall(np.arange(4))
+        except ValueError as error:
+            check("alltoall refused eagerly", ["each of them would receive" in str(error)],
+                  [True], exact=True)
+        check("broadcast_object", [hvd.broadcast_object({"rank": RANK},
+                                                        root_rank=SIZE * K - 1)["rank"]],
+              [SIZE - 1], exact=True)
+        return
     parts = np.stack([inputs(r, shape=(2 * SIZE, 3)) for r in range(SIZE)])
     check("alltoall", hvd.alltoall(parts[RANK]),
           np.concatenate([parts[s][2 * RANK:2 * RANK + 2] for s in range(SIZE)]), exact=True)
@@ -187,6 +217,7 @@ def batch_shapes_are_checked():
 
 
 def main(train: bool = False) -> None:
+    ranks_are_devices()
     batch_shapes_are_checked()
     eager_collectives()
     program_collectives()

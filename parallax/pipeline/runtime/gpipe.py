@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from parallax import context
+from parallax import context, nesting
 from parallax.grad import split_target
 from parallax.microbatch import check_microbatches
 from parallax.pipeline import module_state
@@ -134,6 +134,7 @@ def _gpipe(stages, params, rebuild, batch, M: int, axis: str, *, remat: bool, po
             stacked, others)
         return lax.psum(loss, axis), d_stacked, [lax.psum(g, axis) for g in d_others]
 
+    nesting.check({axis}, API, nesting.PIPELINE_FIX)
     with context.manual((axis,)):
         loss, d_stacked, d_others = jax.shard_map(
             body,

@@ -46,6 +46,9 @@ _ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+# XLA 0.12 names the mesh: replica_groups=mesh['data'=4,'tensor'=2] {'data'}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
@@ -191,7 +194,26 @@ def _multiplicities(blocks: dict[str, list[str]], entry: str):
     return count, conditional
 
 
+def _mesh_groups(match) -> tuple[tuple[int, ...], ...] | None:
+    """Groups of the named form: the devices (row-major over the named mesh) that differ
+    only along the braced axes. None for a form not understood (sub-axes)."""
+    axes = _MESH_AXIS.findall(match.group(1))
+    over = [a.strip().strip("'") for a in match.group(2).split(",") if a.strip()]
+    names = [name for name, _ in axes]
+    if not axes or any(a not in names for a in over):
+        return None
+    ids = np.arange(math.prod(int(n) for _, n in axes)).reshape([int(n) for _, n in axes])
+    grouped = [names.index(a) for a in over]
+    rest = [i for i in range(len(names)) if i not in grouped]
+    size = math.prod(ids.shape[i] for i in grouped)
+    return tuple(tuple(int(i) for i in row)
+                 for row in ids.transpose(rest + grouped).reshape(-1, size))
+
+
 def _groups(line: str, num_devices: int | None) -> tuple[tuple[int, ...], ...]:
+    named = _MESH_GROUPS.search(line)
+    if named and (groups := _mesh_groups(named)) is not None:
+        return groups
     iota = _IOTA_GROUPS.search(line)
     if iota:
         shape = [int(v) for v in iota.group(1).split(",")]

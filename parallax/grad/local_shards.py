@@ -5,7 +5,9 @@ axes stay automatic. A collective over a batch axis on a leaf whose other dimens
 sharded over an automatic axis (a tensor-parallel kernel) makes XLA gather those dimensions
 first (measured: the whole kernel moved over ``tensor`` before the all-gather over
 ``fsdp``). Running the collective in a nested ``shard_map`` over the leaf's automatic axes
-keeps it on the local tensor-parallel shard.
+keeps it on the local tensor-parallel shard. Where that nested region would be out of the
+mesh's axis order (``stage`` inside ``data``), it is made manual over every automatic axis
+(:mod:`parallax.comm.nesting`: XLA 0.12 aborts otherwise).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from parallax.layout import LeafLayout
+from parallax.comm.nesting import widened
 from parallax.rules import as_tuple
 
 
@@ -40,7 +43,7 @@ def on_local_shards(fn: Callable, x: jax.Array, lay: LeafLayout, manual_axes) ->
         return fn(x, lay)
     spec = local_spec(lay, manual_axes)
     return jax.shard_map(
-        lambda v: fn(v, lay), in_specs=spec, out_specs=spec, axis_names=frozenset(auto)
+        lambda v: fn(v, lay), in_specs=spec, out_specs=spec, axis_names=widened(auto)
     )(x)
 
 
@@ -53,4 +56,4 @@ def group_on_local_shards(fn: Callable, leaves: list, lays: Sequence[LeafLayout]
         return list(fn(list(leaves)))
     specs = [local_spec(lay, manual_axes) for lay in lays]
     return list(jax.shard_map(lambda ls: list(fn(ls)), in_specs=(specs,), out_specs=specs,
-                              axis_names=frozenset(auto))(list(leaves)))
+                              axis_names=widened(auto))(list(leaves)))

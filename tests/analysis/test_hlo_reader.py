@@ -84,3 +84,10 @@ def test_replica_group_formats():
     assert hlo._groups("replica_groups=[4,2]<=[2,4]T(1,0)", None) == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert hlo._groups("replica_groups={{0,2},{1,3}}", None) == ((0, 2), (1, 3))
     assert hlo._groups("replica_groups={}", 4) == ((0, 1, 2, 3),)
+    # XLA 0.12 names the mesh and the axes the groups span
+    named = "replica_groups=mesh['data'=4,'tensor'=2] {'data'}, use_global_device_ids=true"
+    assert hlo._groups(named, 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    three = "replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'data','fsdp'}"
+    assert hlo._groups(three, 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert hlo._groups("replica_groups=mesh['stage'=2,'data'=4] {'stage'}", 8) == (
+        (0, 4), (1, 5), (2, 6), (3, 7))

@@ -10,6 +10,7 @@ from flax import nnx
 from rich.console import Console
 
 import parallax as px
+from parallax.comm import nesting
 from parallax.cli import explain_and_plan
 from parallax.planner import roofline
 from parallax.planner.report import Report, Row
@@ -83,17 +84,57 @@ def test_explain_pipelines(name):
     assert not flops.flagged or "weight-gradient action" in flops.reason, report.text()
 
 
+def stage_after_batch(mesh):
+    """The same devices, the axes named data, stage, tensor (docs/design.md, 'Newer JAX')."""
+    names = ("data", "stage", "tensor")
+    order = [mesh.axis_names.index(a) for a in names]
+    return jax.sharding.Mesh(mesh.devices.transpose(order), names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def traffic(report, kind, axis):
+    """The row of ``kind`` over ``axis``, or the one XLA merged it into (``data+tensor``)."""
+    rows = [r for r in report.rows if r.section == "collectives per step"
+            and r.name.startswith(kind + " over ") and r.measured is not None
+            and axis in r.name.removeprefix(kind + " over ").split("+")]
+    exact = [r for r in rows if r.name == f"{kind} over {axis}"]
+    return (exact or rows)[0]
+
+
+def gpt3d_report(mesh_fn):
+    axes, strategy, loss_fn = commands.parse_strategy("dp+tp+pp", 8)
+    mesh = mesh_fn(px.make_mesh(**axes))
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        loss, grads = px.value_and_grad(loss_fn)(state.model, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    return px.explain(step, jax.eval_shape(commands.state_fn(CONFIG)), BATCH)
+
+
 @pytest.mark.slow
 def test_explain_3d_with_a_pipeline_reports_the_recomputed_tensor_traffic():
-    report = gpt_report("dp+tp+pp")
-    for name in ("all-reduce over data", "all-reduce over stage",
-                 "collective-permute over stage") + STATE_ROWS:
-        assert report.row(name).ratio == pytest.approx(1, abs=0.05), report.text()
+    # On jax 0.12 the stage axis is named after the batch axes (parallax.comm.nesting: XLA
+    # aborts on the stage-first mesh, below); on 0.10 the mesh is px.make_mesh's own.
+    report = gpt3d_report(stage_after_batch if nesting.ABORTS else (lambda m: m))
+    for row in (traffic(report, "all-reduce", "data"), traffic(report, "all-reduce", "stage"),
+                report.row("collective-permute over stage")) + tuple(map(report.row, STATE_ROWS)):
+        assert row.ratio == pytest.approx(1, abs=0.05), report.text()
     # Megatron's traffic, or flagged with the reason: the runtime's W action may recompute
     # a layer's internal backward, tensor-parallel all-reduces included.
     tensor = report.row("all-reduce over tensor")
     assert tensor.ratio == pytest.approx(1, abs=0.1) or (
         tensor.flagged and "recomputes each layer's internal backward" in tensor.reason)
+
+
+@pytest.mark.skipif(not nesting.ABORTS, reason="XLA 0.10 compiles the stage-first 3D mesh")
+def test_explain_3d_on_the_stage_first_mesh_is_a_clear_error_where_xla_would_abort():
+    with pytest.raises(ValueError, match=r"px.Pipeline: a shard_map over \('stage',\) nested "
+                       r"inside the one over \('data',\), with \('tensor',\) left automatic, "
+                       r"makes XLA .* abort .* compose the pipeline with tensor parallelism or "
+                       r"with the batch axes, not both"):
+        gpt3d_report(lambda m: m)
 
 
 def mlp_step(mesh, strategy):

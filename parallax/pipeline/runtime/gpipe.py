@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from parallax import context
+from parallax.comm import nesting
 from parallax.grad.gradients import split_target
 from parallax.grad.microbatches import check_microbatches
 from parallax.pipeline import module_state
@@ -134,6 +135,7 @@ def _gpipe(stages, params, rebuild, batch, M: int, axis: str, *, remat: bool, po
             stacked, others)
         return lax.psum(loss, axis), d_stacked, [lax.psum(g, axis) for g in d_others]
 
+    nesting.check({axis}, API, nesting.PIPELINE_FIX)
     with context.manual((axis,)):
         loss, d_stacked, d_others = jax.shard_map(
             body,

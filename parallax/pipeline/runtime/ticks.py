@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from parallax.comm import nesting
 from parallax.pipeline.runtime import actions, layer_moves, rings, stage_state, stashed
 from parallax.pipeline.runtime.chunk import Chunk, template
 from parallax.pipeline.runtime.plan import RUNTIME_CODES, RuntimePlan, runtime_plan
@@ -96,6 +97,7 @@ def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, pol
       ``[ticks, stages]`` when ``trace`` (what each stage ran at each tick, from its guarded
       loops' trip counts: 0 idle, 1 F, 2 B, 3 W).
     """
+    nesting.check({axis}, api, nesting.PIPELINE_FIX)
     M = sched.microbatches
     module = (stage_state.encode(prog.stacked_state), stage_state.encode(prog.others_state))
     run = run if run is not None and any(module) else None

@@ -206,7 +206,7 @@ class MirroredStrategy:
           ValueError: an argument belongs to another strategy, the replicas wrote a
             mirrored variable differently (:mod:`parallax.tf.mirrored_check`), or the batch
             is a padded partial batch whose padding the function never masked
-            (:func:`parallax.tf.replica_program.refuse_unmasked_padding`); the NNX objects
+            (:func:`parallax.tf.partial_batches.refuse_unmasked`); the NNX objects
             then keep their values from before the call.
 
         Example:
@@ -242,7 +242,7 @@ class MirroredStrategy:
             self, fn, args, kwargs, functools.partial(self._place, api))
         outputs, new_state, flags, facts = replica_program.replica_program(
             sig, per_replica, broadcast, state)
-        replica_program.refuse_unmasked_padding(api, sig, facts)
+        partial_batches.refuse_unmasked(api, sig.batch_rows, facts.masked)
         if nodes:
             mirrored_check.raise_if_diverged(api, nodes, replica_program.mirrored_leaves(sig),
                                              flags)

@@ -103,3 +103,31 @@ def padding_of(rows: tuple[int, ...] | None) -> tuple[int, ...] | None:
     if rows is None or len(set(rows)) == 1:
         return None
     return tuple(int(r) for r in rows)
+
+
+def refuse_unmasked(api: str, batch_rows: tuple[int, ...] | None, masked: bool) -> None:
+    """Refuses a padded partial batch whose padding rows the replica function never masked.
+
+    TensorFlow's replicas see batches of their own lengths; here they see zero rows after
+    their real ones, which would silently enter every loss, metric and statistic that does
+    not leave them out.
+
+    Args:
+      api: the API to name.
+      batch_rows: the real rows per replica of ``run``'s batch, or None (not padded).
+      masked: whether tracing the replica function asked which rows are real.
+
+    Raises:
+      ValueError: a padded batch that was not masked.
+    """
+    if batch_rows is None or masked:
+        return
+    raise ValueError(
+        f"{api}: this step's batch is a partial last batch split over the replicas as "
+        f"TensorFlow splits it (real rows per replica: {list(batch_rows)}); in one "
+        f"compiled program every replica holds {max(batch_rows)} rows, the missing ones "
+        "zero padding, and the replica function never asked which rows are real. Compute "
+        "the loss with px.tf.compute_average_loss(per_example_loss, ...) (it leaves the "
+        "padding out), or mask with px.tf.get_replica_context().example_mask(rows); or drop "
+        "the partial batch (dataset.batch(global_batch_size, drop_remainder=True)). The "
+        "NNX objects keep their values from before the call.")

@@ -12,7 +12,7 @@ What crosses into the replicas:
   a partial last batch that TensorFlow splits unevenly arrives padded with zero rows, and
   the replica context knows each replica's real rows (``ReplicaContext.example_mask``,
   used by ``compute_average_loss``); a padded batch that the replica function never masks
-  is refused (:func:`refuse_unmasked_padding`);
+  is refused (:func:`parallax.tf.partial_batches.refuse_unmasked`);
 * arrays, ``Mirrored`` values and NNX objects (modules, optimizers, metrics): replicated,
   each replica sees the whole value. NNX objects are split outside and merged inside the
   traced function, and their new state is written back after the call, as ``nnx.jit``
@@ -242,26 +242,6 @@ def replica_program(sig: Signature, per_replica: list, broadcast: list, state: l
         check_vma=False)
     tree, mirrored, new_state, flags = mapped(per_replica, broadcast, state)
     return _fill(tree, mirrored, strategy), new_state, flags, TraceFacts(bool(reads))
-
-
-def refuse_unmasked_padding(api: str, sig: Signature, facts: TraceFacts) -> None:
-    """Refuses a padded partial batch whose padding rows the replica function never masked.
-
-    TensorFlow's replicas see batches of their own lengths; here they see zero rows after
-    their real ones, which would silently enter every loss, metric and statistic that does
-    not leave them out.
-    """
-    if sig.batch_rows is None or facts.masked:
-        return
-    raise ValueError(
-        f"{api}: this step's batch is a partial last batch split over the replicas as "
-        f"TensorFlow splits it (real rows per replica: {list(sig.batch_rows)}); in one "
-        f"compiled program every replica holds {max(sig.batch_rows)} rows, the missing ones "
-        "zero padding, and the replica function never asked which rows are real. Compute "
-        "the loss with px.tf.compute_average_loss(per_example_loss, ...) (it leaves the "
-        "padding out), or mask with px.tf.get_replica_context().example_mask(rows); or drop "
-        "the partial batch (dataset.batch(global_batch_size, drop_remainder=True)). The "
-        "NNX objects keep their values from before the call.")
 
 
 def check_no_captured_objects(fn, nodes) -> None:

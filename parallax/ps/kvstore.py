@@ -47,6 +47,10 @@ class KVStore:
       num_workers: how many ranked workers (``store.worker(rank)``) the vector clocks count.
       dtype: the values' dtype.
       max_key: the top of the key space (PS-Lite's ``kMaxKey``).
+      value_len: None (each key's length is fixed by its first push), or the number of
+        values every key holds: pushes must match it, and a pull of a never-pushed key reads
+        that many zeros, as PS-Lite's ``KVServerDefaultHandle`` answers (its keys hold one
+        value: ``value_len=1``).
 
     Example:
       >>> import numpy as np, optax, parallax as px
@@ -64,8 +68,10 @@ class KVStore:
     """
 
     def __init__(self, num_servers: int = 1, handle=None, consistency="sequential", *,
-                 num_workers: int = 1, dtype=np.float32, max_key: int = MAX_KEY):
+                 num_workers: int = 1, dtype=np.float32, max_key: int = MAX_KEY,
+                 value_len: int | None = None):
         _check_count("num_servers", num_servers)
+        self.value_len = None if value_len is None else _check_count("value_len", value_len)
         _check_count("num_workers", num_workers)
         self.consistency = as_consistency(consistency)
         self.num_workers = num_workers
@@ -101,7 +107,8 @@ class KVStore:
             raise ValueError(f"KVStore.worker: rank {rank} is outside [0, {self.num_workers}); "
                              f"create the store with num_workers={int(rank) + 1} or more.")
         worker = KVWorker(self._servers, self._ranges, rank=int(rank),
-                          consistency=self.consistency, dtype=self.dtype)
+                          consistency=self.consistency, dtype=self.dtype,
+                          value_len=self.value_len)
         worker.iteration = min(self._get([s.clock_of.remote(int(rank)) for s in self._servers]))
         return worker
 
@@ -110,9 +117,11 @@ class KVStore:
 
         The same object on every call in a process (its timestamps are its own).
         """
-        if self._client is None or self._client.consistency != self.consistency:
+        if (self._client is None or self._client.consistency != self.consistency
+                or self._client.value_len != self.value_len):
             self._client = KVWorker(self._servers, self._ranges, rank=None,
-                                    consistency=self.consistency, dtype=self.dtype)
+                                    consistency=self.consistency, dtype=self.dtype,
+                                    value_len=self.value_len)
         return self._client
 
     def __getstate__(self):
@@ -153,7 +162,8 @@ class KVStore:
         directory = pathlib.Path(directory).absolute()
         self._get([server.restore.remote(directory) for server in self._servers])
 
-    def reset(self, *, handle=_KEEP, consistency=_KEEP, num_workers=_KEEP) -> None:
+    def reset(self, *, handle=_KEEP, consistency=_KEEP, num_workers=_KEEP,
+              value_len=_KEEP) -> None:
         """Empties every server (keys, handle state, clocks, statistics), keeping the processes.
 
         Starting server processes is what a store costs (each loads JAX); an experiment
@@ -165,6 +175,8 @@ class KVStore:
         consistency = self.consistency if consistency is _KEEP else as_consistency(consistency)
         num_workers = self.num_workers if num_workers is _KEEP else _check_count("num_workers",
                                                                                   num_workers)
+        if value_len is not _KEEP:
+            self.value_len = None if value_len is None else _check_count("value_len", value_len)
         self._get([server.reset.remote(handle, consistency, num_workers)
                    for server in self._servers])
         self.handle, self.consistency, self.num_workers = handle, consistency, num_workers

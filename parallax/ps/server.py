@@ -20,7 +20,12 @@ from parallax.ps.checkpoint import load_snapshot, save_snapshot, server_path
 from parallax.ps.consistency import BoundedDelay, VectorClock
 from parallax.ps.handles import ASSIGN, UPDATE, Handle
 from parallax.ps.keys import KeyRange
-from parallax.ps.table import KVTable
+from parallax.ps.table import KVTable, expand_segments
+
+
+def _segments(offsets: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Flat indices of the segments ``offsets[i]:offsets[i + 1]`` of the keys in ``mask``."""
+    return expand_segments(offsets[:-1][mask], np.diff(offsets)[mask])
 
 
 def _is_slot(leaf, values: np.ndarray) -> bool:
@@ -98,10 +103,15 @@ class KVServer:
             async with self._changed:
                 self._changed.notify_all()
 
-    async def pull(self, keys, slot, worker, iteration):
-        """(values, lens, staleness) of ``keys`` once the consistency model allows it."""
+    async def pull(self, keys, slot, worker, iteration, lens=None):
+        """(values, lens, staleness) of ``keys`` once the consistency model allows it.
+
+        ``lens``: the values the caller expects per key (None: whatever is stored); a key
+        never pushed then reads as that many zeros, PS-Lite's default handle's answer
+        (``store[key]`` of a missing key is ``Val()``), without being stored.
+        """
         staleness = await self._admit(worker, iteration)
-        return self._read(keys, slot) + (staleness,)
+        return self._read(keys, slot, lens) + (staleness,)
 
     async def push_pull(self, keys, values, lens, cmd, worker, iteration):
         """A push then, in the next iteration, a pull of the same keys (one round trip)."""
@@ -163,15 +173,50 @@ class KVServer:
         self._staleness.append(staleness)
         return staleness
 
-    def _read(self, keys, slot):
-        positions = self.table.locate(keys, f"KVWorker.pull (server {self.rank})")
+    def _read(self, keys, slot, lens=None):
+        api = f"KVWorker.pull (server {self.rank})"
+        positions, missing = self.table.find(keys)
         source = self.table.values if slot is None else self._slot(slot)
-        values = source[self.table.elements(positions)]
-        lens = self.table.offsets[positions + 1] - self.table.offsets[positions]
+        if missing.any() and lens is None:
+            self.table.locate(keys, api)  # raises, naming the keys and the fix
+        stored = positions[~missing]
+        stored_lens = self.table.offsets[stored + 1] - self.table.offsets[stored]
+        if lens is not None:
+            lens = np.asarray(lens, np.int64)
+            if not np.array_equal(stored_lens, lens[~missing]):
+                bad = int(np.argmax(stored_lens != lens[~missing]))
+                raise ValueError(f"{api}: key {keys[~missing][bad]} holds {stored_lens[bad]} "
+                                 f"values but the pull asked for {lens[~missing][bad]} "
+                                 f"(lens=); pass the length it was pushed with.")
+        if missing.any():
+            values = self._with_zeros(source, keys, positions, missing, lens, slot)
+        else:
+            lens = stored_lens
+            values = source[self.table.elements(positions)]
         self._counts["pulls"] += 1
         self._counts["bytes_pulled"] += values.nbytes
         # A slice is a view of the live store: publish a snapshot before the next push lands.
         return self.publish(values), lens
+
+    def _with_zeros(self, source, keys, positions, missing, lens, slot) -> np.ndarray:
+        """Stored keys' values with never-pushed keys' initial values (zeros) in between.
+
+        Nothing is inserted: PS-Lite's ``store[key]`` would insert the zero, which here
+        would fix the key's length and grow the handle's state at a read; a later push
+        starts from the same zeros either way.
+        """
+        out_offsets = np.concatenate([[0], np.cumsum(lens)])
+        fresh = np.zeros(int(lens[missing].sum()), self.table.values.dtype)
+        if slot is not None:  # the handle's initial per-element state of zero values
+            slots = [leaf for leaf in jax.tree.leaves(self.handle.init(fresh))
+                     if np.shape(leaf) == fresh.shape]
+            fresh = np.asarray(slots[slot], source.dtype)
+        out = np.empty(int(out_offsets[-1]), source.dtype)
+        have = ~missing
+        starts = self.table.offsets[positions[have]]
+        out[_segments(out_offsets, have)] = source[expand_segments(starts, lens[have])]
+        out[_segments(out_offsets, missing)] = fresh
+        return out
 
     def _slot(self, slot: int) -> np.ndarray:
         slots = [leaf for leaf in jax.tree.leaves(self.state) if _is_slot(leaf, self.table.values)]

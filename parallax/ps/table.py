@@ -65,9 +65,12 @@ class KVTable:
         """Positions of ``keys``, all of which must be stored, else a ``ValueError``."""
         positions, missing = self.find(keys)
         if missing.any():
-            raise ValueError(f"{api}: {int(missing.sum())} of {keys.size} keys were never pushed "
-                           f"to this server (first: {keys[missing][0]}); push (or assign) a "
-                           f"value for a key before pulling it.")
+            raise ValueError(
+                f"{api}: {int(missing.sum())} of {keys.size} keys were never pushed to this "
+                f"server (first: {keys[missing][0]}), and the pull does not say how many "
+                "values they hold. PS-Lite's default handle answers zeros for them: pass "
+                "lens= to pull (values per key) or create the KVStore with value_len=k, and "
+                "they read as zeros; or push (or assign) a value for a key before pulling it.")
         return positions
 
     def elements(self, positions: np.ndarray) -> slice | np.ndarray:

@@ -57,8 +57,9 @@ class KVWorker:
     """
 
     def __init__(self, servers: list, ranges: tuple[KeyRange, ...], *, rank: int | None,
-                 consistency: BoundedDelay, dtype):
+                 consistency: BoundedDelay, dtype, value_len: int | None = None):
         self._servers = list(servers)
+        self.value_len = value_len
         self._ranges = tuple(ranges)
         self.rank = rank
         self.consistency = consistency
@@ -89,6 +90,7 @@ class KVWorker:
           The request's timestamp, for :meth:`wait`.
         """
         keys, values, offsets, bounds = self._prepare("KVWorker.push", keys, values, lens)
+        self._check_value_len("KVWorker.push", keys, offsets)
         tick = self.rank is not None and self.consistency.waits  # every server's clock moves
         request = _Request(pull=False, servers=[], refs=[])
         for server, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -103,23 +105,69 @@ class KVWorker:
             self.iteration += 1
         return self._track(request)
 
-    def pull(self, keys, slot: int | None = None) -> int:
+    def pull(self, keys, slot: int | None = None, lens=None) -> int:
         """Asks for the values of sorted ``keys``; returns a timestamp for :meth:`wait`.
 
         Args:
-          keys: sorted, unique uint64 keys, each pushed before.
+          keys: sorted, unique uint64 keys.
           slot: None for the values; ``i`` for the handle's ``i``-th per-element state
             (an optimizer's moments).
+          lens: how many values each key holds: an int for every key, or one per key;
+            default: the store's ``value_len``, else whatever the servers hold. A key never
+            pushed reads as that many zeros (for a slot: the handle's initial state of zero
+            values), PS-Lite's default-handle answer (``store[key]`` of a missing key is a
+            zero); it is not stored. Without a length a never-pushed key is an error.
+
+        Example:
+          >>> import numpy as np, parallax as px
+          >>> _ = px.ps.init_cluster()
+          >>> with px.ps.KVStore(num_servers=1) as store:
+          ...     client = store.client()
+          ...     client.wait(client.push(np.array([3], np.uint64), np.ones(2, np.float32)))
+          ...     client.wait(client.pull(np.array([3, 8], np.uint64), lens=2)).tolist()
+          [1.0, 1.0, 0.0, 0.0]
+
+        References:
+          PS-Lite, ``KVWorker::Pull`` and ``KVServerDefaultHandle``
+          (``include/ps/kv_app.h``).
         """
         keys = check_keys("KVWorker.pull", keys)
+        lens = self._pull_lens(keys, lens)
         bounds = slice_bounds("KVWorker.pull", keys, self._ranges)
         request = _Request(pull=True, servers=[], refs=[])
         for server, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             if lo < hi:
                 request.servers.append(server)
                 request.refs.append(self._servers[server].pull.remote(
-                    keys[lo:hi], slot, self.rank, self.iteration))
+                    keys[lo:hi], slot, self.rank, self.iteration,
+                    None if lens is None else lens[lo:hi]))
         return self._track(request)
+
+    def _pull_lens(self, keys: np.ndarray, lens) -> np.ndarray | None:
+        """``lens`` as one length per key (the store's ``value_len`` by default), or None."""
+        if lens is None:
+            lens = self.value_len
+        if lens is None:
+            return None
+        if isinstance(lens, (int, np.integer)) and not isinstance(lens, bool):
+            lens = np.full(keys.size, lens, np.int64)
+        array = np.asarray(lens)
+        if (array.shape != keys.shape or (array.size and not np.issubdtype(array.dtype,
+                                                                           np.integer))
+                or (array.size and array.min() < 0)):
+            raise ValueError(f"KVWorker.pull: lens must be a non-negative int or one per key "
+                             f"({keys.size} keys); got {lens!r}.")
+        return array.astype(np.int64)
+
+    def _check_value_len(self, api: str, keys: np.ndarray, offsets: np.ndarray) -> None:
+        if self.value_len is None or keys.size == 0:
+            return
+        lens = np.diff(offsets)
+        if (lens != self.value_len).any():
+            bad = int(np.argmax(lens != self.value_len))
+            raise ValueError(f"{api}: key {keys[bad]} gets {lens[bad]} values, but the store "
+                             f"was created with value_len={self.value_len} (every key holds "
+                             f"that many); push {self.value_len} values per key.")
 
     def push_pull(self, keys, values, lens=None, cmd: int = UPDATE) -> int:
         """A push, then a pull of the same keys answered after it (one round trip each server).
@@ -129,6 +177,7 @@ class KVWorker:
           the consistency model makes the pull wait for).
         """
         keys, values, offsets, bounds = self._prepare("KVWorker.push_pull", keys, values, lens)
+        self._check_value_len("KVWorker.push_pull", keys, offsets)
         request = _Request(pull=True, servers=[], refs=[])
         for server, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             if lo == hi:

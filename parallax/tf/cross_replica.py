@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from parallax.tf.reduce_op import ReduceOp, as_reduce_op
@@ -36,6 +37,19 @@ def check_axis(api: str, axis: int, ndim: int, where: str) -> int:
     return axis % ndim
 
 
+def check_padded(api: str, x: PerReplica, axis: int | None, where: str) -> None:
+    """Refuses what TensorFlow cannot do with components of different lengths either.
+
+    A padded partial batch (``x.rows``) stands for components of different lengths: only
+    reductions and concatenations over that (batch) dimension are defined.
+    """
+    if x.rows is not None and axis != 0:
+        raise ValueError(
+            f"{api}: {where} is a partial batch whose replicas hold {list(x.rows)} rows "
+            f"(components of different lengths, as in TensorFlow), so axis={axis} is "
+            "undefined; use axis=0 (over the global batch).")
+
+
 def reduce(strategy, api: str, reduce_op, value, axis: int | None, place: Callable):
     """``strategy.reduce``: see :meth:`parallax.tf.MirroredStrategy.reduce`.
 
@@ -51,7 +65,8 @@ def reduce(strategy, api: str, reduce_op, value, axis: int | None, place: Callab
         if isinstance(x, PerReplica):
             stacked = place(api, x, where)
             dim = None if axis is None else check_axis(api, axis, len(x.shape), where)
-            return _reduce_program(strategy, op, dim, stacked)
+            check_padded(api, x, dim, where)
+            return _reduce_program(strategy, op, dim, x.rows, stacked)
         if axis is not None:
             raise ValueError(
                 f"{api}: axis={axis} reduces over the global batch of a per-replica value, "
@@ -79,8 +94,14 @@ def gather(strategy, api: str, value, axis: int, place: Callable):
         where = f"value{jax.tree_util.keystr(path)}"
         if isinstance(x, PerReplica):
             stacked = place(api, x, where)
-            return _gather_program(strategy, check_axis(api, axis, len(x.shape), where),
-                                   stacked)
+            dim = check_axis(api, axis, len(x.shape), where)
+            check_padded(api, x, dim, where)
+            gathered = _gather_program(strategy, dim, stacked)
+            if x.rows is None:
+                return gathered
+            width = x.shape[0]  # keep each replica's real rows only, as TF's components
+            keep = np.concatenate([np.arange(r) + i * width for i, r in enumerate(x.rows)])
+            return jnp.take(gathered, jnp.asarray(keep), axis=0)
         array = place(api, x, where)
         dim = check_axis(api, axis, array.ndim, where)
         return jnp.concatenate([array] * strategy.num_replicas_in_sync, axis=dim)
@@ -97,12 +118,21 @@ def local_results(value, count: int) -> tuple:
     return tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(count))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _reduce_program(strategy, op: ReduceOp, axis: int | None, stacked):
-    """Sums (over ``axis``, then across replicas with the strategy's op); MEAN divides."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _reduce_program(strategy, op: ReduceOp, axis: int | None, rows, stacked):
+    """Sums (over ``axis``, then across replicas with the strategy's op); MEAN divides.
+
+    ``rows``: real rows per replica of a padded batch (``axis`` is then 0): padding is left
+    out of the sum and of MEAN's count.
+    """
 
     def body(x):
-        local = x[0] if axis is None else jnp.sum(x[0], axis=axis)
+        x = x[0]
+        if rows is not None:
+            real = jnp.asarray(rows)[lax.axis_index(strategy.replica_axes)]
+            mask = (jnp.arange(x.shape[0]) < real).reshape((-1,) + (1,) * (x.ndim - 1))
+            x = jnp.where(mask, x, jnp.zeros_like(x))
+        local = x if axis is None else jnp.sum(x, axis=axis)
         (total,) = strategy.cross_device_ops.all_reduce(
             [local], strategy.replica_axes, ReduceOp.SUM, strategy.mesh)
         return total
@@ -111,7 +141,7 @@ def _reduce_program(strategy, op: ReduceOp, axis: int | None, stacked):
                           out_specs=jax.P(), check_vma=False)(stacked)
     if op is ReduceOp.MEAN:
         count = strategy.num_replicas_in_sync * (1 if axis is None else stacked.shape[axis + 1])
-        total = total / count
+        total = total / (count if rows is None else sum(rows))
     return total
 
 

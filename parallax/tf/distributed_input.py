@@ -2,17 +2,23 @@
 
 ``strategy.experimental_distribute_dataset(iterable)`` takes an iterable of *global* batches
 (pytrees of arrays whose leading dimension is the global batch) and yields them as
-``PerReplica`` values: replica ``i`` holds rows ``[i * b, (i + 1) * b)`` with ``b`` the
-per-replica batch, each row sent straight to its device. ``distribute_datasets_from_function``
-calls a function with an :class:`InputContext` once per input pipeline (one per worker
-process) and takes the per-replica batches it yields, one per local replica in turn.
+``PerReplica`` values: replica ``i`` holds the next ``b_i`` rows, each row sent straight to
+its device, with TensorFlow's ``b_i`` (:mod:`parallax.tf.partial_batches`): ``G / n`` each
+when the global batch ``G`` divides over the ``n`` replicas, else one more row for the first
+``G % n``; the last, partial batch of a data set fills the replicas in order (the last ones
+get fewer rows or none) and arrives padded with zero rows, the true counts in
+``PerReplica.rows``. ``distribute_datasets_from_function`` calls a function with an
+:class:`InputContext` once per input pipeline (one per worker process) and takes the
+per-replica batches it yields, one per local replica in turn; a last, short group leaves the
+remaining replicas empty, as TensorFlow does.
 
 Any Python iterable works (a list, a generator function's result, a ``tf.data.Dataset``
 through ``.as_numpy_iterator()``, a Grain loader); it is iterated afresh each epoch.
 
 References:
   TensorFlow ``tf.distribute.Strategy.experimental_distribute_dataset``,
-  ``distribute_datasets_from_function``, ``tf.distribute.InputContext``.
+  ``distribute_datasets_from_function``, ``tf.distribute.InputContext``;
+  ``tensorflow/python/distribute/input_lib.py`` (partial batches).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from parallax.tf import partial_batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,23 +91,28 @@ class ValueContext:
     num_replicas_in_sync: int = 1
 
 
-def split_global_batch(api: str, element, n: int, index: int):
-    """Checks every leaf of a global batch divides over ``n`` replicas; returns numpy leaves."""
+def global_batch_rows(api: str, element, index: int) -> tuple[Any, int]:
+    """``element``'s leaves as numpy arrays and their common number of rows.
 
-    def check(path, leaf):
-        array = np.asarray(leaf)
-        rows = array.shape[0] if array.ndim else None
-        if rows is None or rows % n:
+    Raises:
+      ValueError: a scalar leaf, or leaves with different numbers of rows.
+    """
+    element = jax.tree.map(np.asarray, element)
+    found = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(element):
+        where = jax.tree_util.keystr(path) or "its root"
+        if leaf.ndim == 0:
             raise ValueError(
-                f"{api}: element {index} of the dataset has a global batch of "
-                f"{'no rows (a scalar)' if rows is None else f'{rows} rows'} at "
-                f"{jax.tree_util.keystr(path) or 'its root'}, not divisible by the {n} "
-                f"replicas (num_replicas_in_sync); batch the data with a global batch size "
-                f"that is a multiple of {n} and drop the last partial batch "
-                "(drop_remainder=True).")
-        return array
-
-    return jax.tree_util.tree_map_with_path(check, element)
+                f"{api}: element {index} of the dataset has a scalar at {where}; every leaf "
+                "needs a leading batch dimension (batch the dataset, e.g. "
+                "dataset.batch(global_batch_size)).")
+        found.setdefault(leaf.shape[0], where)
+    if len(found) > 1:
+        raise ValueError(
+            f"{api}: element {index} of the dataset has leaves with different numbers of rows "
+            f"({', '.join(f'{r} at {w}' for r, w in found.items())}); every leaf of a global "
+            "batch needs the same leading (batch) dimension.")
+    return element, next(iter(found), 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +141,16 @@ class DistributedDataset:
     def __iter__(self) -> Iterator:
         api = "px.tf.MirroredStrategy.experimental_distribute_dataset"
         n = self.strategy.num_replicas_in_sync
+        global_batch = None
         for index, element in enumerate(self.dataset):
-            element = split_global_batch(api, element, n, index)
-            yield jax.tree.map(self.strategy.distribute_global_batch, element)
+            element, rows = global_batch_rows(api, element, index)
+            if global_batch is None:  # TF reads it from the dataset's batch(): the first one
+                global_batch = rows
+            if rows == 0:
+                continue  # no replica has data: TF ends the step too (no empty step runs)
+            split = partial_batches.split_rows(rows, global_batch, n)
+            yield jax.tree.map(
+                lambda a, split=split: self.strategy.distribute_global_batch(a, split), element)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +162,13 @@ class DistributedDatasetsFromFunction:
       dataset_fn: ``dataset_fn(InputContext) -> iterable`` of per-replica batches (batch
         size ``ctx.get_per_replica_batch_size(global_batch)``).
 
-    Each step takes the next element for each of this worker's replicas, in replica order;
-    a last incomplete group (fewer elements than replicas) is dropped.
+    Each step takes the next element for each of this worker's replicas, in replica order.
+    As in TensorFlow (``input_lib.py``, ``_get_value_or_dummy``), elements may be shorter than
+    the others (a partial last batch) and when the pipeline ends inside a group the remaining
+    replicas get no rows; the components are padded with zero rows to the longest
+    (``PerReplica.rows`` holds the true counts). Over several processes the padded shape and
+    the end of the data would have to be agreed on by every worker each step (TensorFlow
+    all-reduces them): there, a short or uneven group is refused, naming the fix.
 
     Example:
       >>> import parallax as px
@@ -166,19 +191,44 @@ class DistributedDatasetsFromFunction:
         api = "px.tf.MirroredStrategy.distribute_datasets_from_function"
         local = self.strategy.num_local_replicas
         iterator = iter(self.dataset_fn(self.strategy.input_context()))
+        index = 0
         while True:
             group = []
             for element in iterator:
-                group.append(jax.tree.map(np.asarray, element))
+                group.append(global_batch_rows(api, element, index))
+                index += 1
                 if len(group) == local:
                     break
-            if len(group) < local:
+            if not group:
                 return
-            shapes = [jax.tree.map(np.shape, g) for g in group]
-            if any(s != shapes[0] for s in shapes):
-                raise ValueError(
-                    f"{api}: the {local} per-replica elements of one step differ in structure "
-                    f"or shape ({shapes[0]} vs {next(s for s in shapes if s != shapes[0])}); "
-                    "every replica needs the same batch shape (drop_remainder=True).")
-            yield jax.tree.map(lambda *xs: self.strategy.distribute_local_components(
-                np.stack(xs)), *group)
+            yield self._distribute(api, local, group)
+
+    def _distribute(self, api: str, local: int, group: list):
+        elements = [e for e, _ in group]
+        rows = tuple(r for _, r in group) + (0,) * (local - len(group))
+        trailing = [jax.tree.map(lambda a: (a.shape[1:], a.dtype), e) for e in elements]
+        if any(t != trailing[0] for t in trailing):
+            odd = next(t for t in trailing if t != trailing[0])
+            raise ValueError(
+                f"{api}: the per-replica elements of one step differ in structure, dtype or "
+                f"shape beyond the batch dimension ({trailing[0]} vs {odd}); only the number of "
+                "rows may differ (a partial last batch).")
+        padded = partial_batches.padding_of(rows)
+        if padded is not None and jax.process_count() > 1:
+            raise ValueError(
+                f"{api}: this worker's per-replica elements of one step have rows {rows} "
+                f"(a partial last batch, or the pipeline ended within the step) while "
+                f"{jax.process_count()} processes must agree on one padded shape; batch each "
+                "pipeline with drop_remainder=True and give every worker the same number of "
+                "steps (TensorFlow agrees on them with an all-reduce each step; parallax "
+                "does not re-create that across processes).")
+        width = max(rows)
+
+        def pad(a):  # zero rows after the real ones, as TF's empty dummy batches are zeros
+            return np.pad(a, [(0, width - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+        padded_elements = [jax.tree.map(pad, e) for e in elements]
+        padded_elements += [jax.tree.map(np.zeros_like, padded_elements[0])] * (
+            local - len(elements))
+        return jax.tree.map(lambda *xs: self.strategy.distribute_local_components(
+            np.stack(xs), padded), *padded_elements)

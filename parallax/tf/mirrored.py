@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from parallax.tf import cross_replica, mirrored_check, replica_program
+from parallax.tf import cross_replica, mirrored_check, partial_batches, replica_program
 from parallax.tf.cross_device_ops import CollectiveAllReduce, CrossDeviceOps
 from parallax.tf.distributed_input import (
     DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext)
@@ -203,9 +203,11 @@ class MirroredStrategy:
         Raises:
           TypeError: ``fn`` is not callable, or an argument is not an array, NNX object,
             distributed value or hashable Python value.
-          ValueError: an argument belongs to another strategy, or the replicas wrote a
-            mirrored variable differently (:mod:`parallax.tf.mirrored_check`; the NNX objects
-            then keep their values from before the call).
+          ValueError: an argument belongs to another strategy, the replicas wrote a
+            mirrored variable differently (:mod:`parallax.tf.mirrored_check`), or the batch
+            is a padded partial batch whose padding the function never masked
+            (:func:`parallax.tf.partial_batches.refuse_unmasked`); the NNX objects
+            then keep their values from before the call.
 
         Example:
           >>> import jax.numpy as jnp, optax, parallax as px
@@ -238,8 +240,9 @@ class MirroredStrategy:
                             f"{type(kwargs).__name__}.")
         sig, per_replica, broadcast, state, nodes = replica_program.signature_of(
             self, fn, args, kwargs, functools.partial(self._place, api))
-        outputs, new_state, flags = replica_program.replica_program(sig, per_replica,
-                                                                    broadcast, state)
+        outputs, new_state, flags, facts = replica_program.replica_program(
+            sig, per_replica, broadcast, state)
+        partial_batches.refuse_unmasked(api, sig.batch_rows, facts.masked)
         if nodes:
             mirrored_check.raise_if_diverged(api, nodes, replica_program.mirrored_leaves(sig),
                                              flags)
@@ -357,29 +360,44 @@ class MirroredStrategy:
         here = jax.process_index()
         return [i for i, d in enumerate(self._devices) if d.process_index == here]
 
-    def distribute_global_batch(self, array) -> PerReplica:
-        """A global batch (rows divisible by the replicas) as a ``PerReplica`` value.
+    def distribute_global_batch(self, array, rows: tuple[int, ...] | None = None) -> PerReplica:
+        """A global batch as a ``PerReplica`` value: replica ``i`` gets the next ``rows[i]`` rows.
 
-        Every process passes the same global batch and sends only its replicas' rows.
+        Args:
+          array: ``[sum(rows), ...]``, the same on every process (each sends only its
+            replicas' rows).
+          rows: rows per replica (:func:`parallax.tf.partial_batches.split_rows`); default:
+            an even split.
+
+        Returns:
+          The ``PerReplica`` value, padded with zero rows where ``rows`` differ.
         """
         array = np.asarray(array)
         n = self.num_replicas_in_sync
-        stacked = array.reshape((n, array.shape[0] // n) + array.shape[1:])
+        if rows is None:
+            rows = partial_batches.split_rows(array.shape[0], array.shape[0], n)
+        stacked = partial_batches.pad_components(array, rows)
         ids = self.local_replica_ids()
-        return self.distribute_local_components(stacked[ids[0]:ids[-1] + 1])
+        return self.distribute_local_components(stacked[ids[0]:ids[-1] + 1],
+                                                partial_batches.padding_of(rows))
 
-    def distribute_local_components(self, stacked) -> PerReplica:
-        """``stacked[i]`` on this process's ``i``-th replica, as a ``PerReplica`` value."""
+    def distribute_local_components(self, stacked, rows=None) -> PerReplica:
+        """``stacked[i]`` on this process's ``i``-th replica, as a ``PerReplica`` value.
+
+        ``rows``: every replica's count of real rows when the components are padded.
+        """
         sharding = NamedSharding(self._mesh, self.batch_spec)
         return PerReplica(jax.make_array_from_process_local_data(sharding, np.asarray(stacked)),
-                          self)
+                          self, rows)
 
     def experimental_distribute_dataset(self, dataset: Iterable, options=None):
         """Splits each global batch of ``dataset`` over the replicas.
 
         Args:
           dataset: an iterable of global batches (pytrees of arrays, leading dimension =
-            global batch, divisible by ``num_replicas_in_sync``).
+            global batch). Split as TensorFlow splits them (:mod:`parallax.tf.partial_batches`):
+            a partial last batch, or a global batch that does not divide, gives the replicas
+            different numbers of rows, padded for the one program.
           options: accepted for TensorFlow compatibility; must be None.
 
         Returns:

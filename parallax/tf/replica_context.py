@@ -39,6 +39,11 @@ class ReplicaContext:
       strategy: the strategy running the replica (None for the default context).
       num_replicas_in_sync: how many replicas run the function together.
       replica_axes: the mesh axes that index the replicas (``()`` outside ``run``).
+      batch_rows: ``None``, or when ``run``'s batch is split unevenly over the replicas (a
+        partial last batch, :mod:`parallax.tf.partial_batches`) each replica's real rows;
+        the batch every replica sees is then padded with zero rows to ``max(batch_rows)``.
+      reads: records that the replica function asked which rows are real (``run`` refuses a
+        padded batch whose rows nobody masked); not part of equality.
 
     Example:
       >>> ctx = get_replica_context()          # no strategy: one replica
@@ -54,6 +59,8 @@ class ReplicaContext:
     strategy: Any = None
     num_replicas_in_sync: int = 1
     replica_axes: tuple[str, ...] = ()
+    batch_rows: tuple[int, ...] | None = None
+    reads: list | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def replica_id_in_sync_group(self) -> jax.Array:
@@ -61,6 +68,49 @@ class ReplicaContext:
         if not self.replica_axes:
             return jnp.int32(0)
         return lax.axis_index(self.replica_axes)
+
+    def num_examples(self, rows: int) -> jax.Array | int:
+        """This replica's real examples in a per-replica batch of ``rows`` rows.
+
+        TensorFlow's replicas see batches of their own length; here a partial last batch is
+        padded (:mod:`parallax.tf.partial_batches`), and this is the length TF's would have.
+
+        Args:
+          rows: the leading dimension of a per-replica batch (or of per-example values).
+
+        Returns:
+          ``rows`` when the batch is not padded, else this replica's count (traced).
+
+        Raises:
+          ValueError: ``rows`` is not the padded batch's length.
+        """
+        if self.batch_rows is None:
+            return rows
+        width = max(self.batch_rows)
+        if rows != width:
+            raise ValueError(
+                f"px.tf.ReplicaContext: a value with {rows} rows, but this step's per-replica "
+                f"batch is padded to {width} rows (the replicas hold {list(self.batch_rows)} "
+                "real rows: a partial last batch); pass one value per example of the batch, "
+                f"shape [{width}, ...].")
+        if self.reads is not None:
+            self.reads.append(rows)
+        return jnp.asarray(self.batch_rows, jnp.int32)[self.replica_id_in_sync_group]
+
+    def example_mask(self, rows: int) -> jax.Array:
+        """Which of the ``rows`` rows of this replica's batch are real examples (not padding).
+
+        Args:
+          rows: the leading dimension of a per-replica batch.
+
+        Returns:
+          A ``bool[rows]`` array: all True unless ``run``'s batch is a padded partial batch.
+
+        Example:
+          >>> get_replica_context().example_mask(3).tolist()
+          [True, True, True]
+        """
+        return jnp.arange(rows) < self.num_examples(rows)
 
     def all_reduce(self, reduce_op, value):
         """Reduces ``value`` (a pytree of arrays) across the replicas; all get the result.

@@ -9,6 +9,10 @@ keyed by :class:`Signature` and the shapes and dtypes of the arrays).
 What crosses into the replicas:
 
 * ``PerReplica`` inputs: sharded over the replica axes, each replica sees its component;
+  a partial last batch that TensorFlow splits unevenly arrives padded with zero rows, and
+  the replica context knows each replica's real rows (``ReplicaContext.example_mask``,
+  used by ``compute_average_loss``); a padded batch that the replica function never masks
+  is refused (:func:`parallax.tf.partial_batches.refuse_unmasked`);
 * arrays, ``Mirrored`` values and NNX objects (modules, optimizers, metrics): replicated,
   each replica sees the whole value. NNX objects are split outside and merged inside the
   traced function, and their new state is written back after the call, as ``nnx.jit``
@@ -61,6 +65,8 @@ class Signature:
       graphdef: the NNX graph of the objects passed (``None`` when there are none).
       state_treedef: structure of their state's arrays.
       aggregations: per state array, its :class:`VariableAggregation`.
+      batch_rows: the real rows per replica of a padded partial batch among the
+        ``PerReplica`` inputs (:mod:`parallax.tf.partial_batches`), else ``None``.
     """
 
     strategy: Any
@@ -71,6 +77,30 @@ class Signature:
     graphdef: Any
     state_treedef: Any
     aggregations: tuple[VariableAggregation, ...]
+    batch_rows: tuple[int, ...] | None = None
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class TraceFacts:
+    """What tracing the replica function found, returned as static data of ``jit``'s output.
+
+    A pytree node without leaves: ``jit`` keeps it with the output's structure in its cache,
+    so every call (and a call inside the caller's own ``jit``) reads it without a transfer.
+
+    Attributes:
+      masked: the replica function asked which rows of a padded batch are real.
+    """
+
+    masked: bool
+
+    def tree_flatten(self):
+        return (), self.masked
+
+    @classmethod
+    def tree_unflatten(cls, masked, children):
+        del children
+        return cls(masked)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -137,9 +167,10 @@ def _outputs(strategy, result):
     return tree, mirrored
 
 
-def _body(sig: Signature, per_replica, broadcast, state):
+def _body(sig: Signature, reads: list, per_replica, broadcast, state):
     strategy = sig.strategy
-    ctx = ReplicaContext(strategy, strategy.num_replicas_in_sync, strategy.replica_axes)
+    ctx = ReplicaContext(strategy, strategy.num_replicas_in_sync, strategy.replica_axes,
+                         sig.batch_rows, reads)
     replica_id = ctx.replica_id_in_sync_group
     nodes = ()
     if sig.graphdef is not None:
@@ -198,17 +229,19 @@ def replica_program(sig: Signature, per_replica: list, broadcast: list, state: l
     """Runs ``sig.fn`` on every replica.
 
     Returns:
-      ``(outputs, new NNX state leaves, flags)``: ``flags[k]`` is True when the replicas
-      wrote the ``k``-th mirrored leaf (:func:`mirrored_leaves`) differently.
+      ``(outputs, new NNX state leaves, flags, facts)``: ``flags[k]`` is True when the
+      replicas wrote the ``k``-th mirrored leaf (:func:`mirrored_leaves`) differently;
+      ``facts`` is the :class:`TraceFacts` of the trace.
     """
     strategy = sig.strategy
     spec = strategy.batch_spec
+    reads = []  # filled while the shard_map below traces the replica function
     mapped = jax.shard_map(
-        functools.partial(_body, sig), mesh=strategy.mesh,
+        functools.partial(_body, sig, reads), mesh=strategy.mesh,
         in_specs=(spec, jax.P(), jax.P()), out_specs=(spec, jax.P(), jax.P(), jax.P()),
         check_vma=False)
     tree, mirrored, new_state, flags = mapped(per_replica, broadcast, state)
-    return _fill(tree, mirrored, strategy), new_state, flags
+    return _fill(tree, mirrored, strategy), new_state, flags, TraceFacts(bool(reads))
 
 
 def check_no_captured_objects(fn, nodes) -> None:
@@ -249,6 +282,7 @@ def signature_of(strategy, fn, args, kwargs, place):
     flat, treedef = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)),
                                                          is_leaf=_is_special)
     kinds, statics, per_replica, broadcast, nodes = [], [], [], [], []
+    rows_seen = {}
     for path, leaf in flat:
         where = _describe(path)
         if isinstance(leaf, (nnx.Pytree, nnx.Variable)):
@@ -256,6 +290,8 @@ def signature_of(strategy, fn, args, kwargs, place):
         elif isinstance(leaf, PerReplica):
             kinds.append(PER_REPLICA), statics.append(None)
             per_replica.append(place(leaf, where))
+            if leaf.rows is not None:
+                rows_seen.setdefault(leaf.rows, where)
         elif isinstance(leaf, Mirrored) or _is_array(leaf):
             kinds.append(BROADCAST), statics.append(None)
             broadcast.append(place(leaf, where))
@@ -269,6 +305,13 @@ def signature_of(strategy, fn, args, kwargs, place):
                     "Python values (they become part of the compiled signature).") from None
             kinds.append(STATIC), statics.append(leaf)
     check_no_captured_objects(fn, nodes)
+    if len(rows_seen) > 1:
+        (a, where_a), (b, where_b) = list(rows_seen.items())[:2]
+        raise ValueError(
+            f"{api}: {where_a} and {where_b} are batches padded for different splits over "
+            f"the replicas (real rows {list(a)} and {list(b)}); pass the leaves of one "
+            "distributed batch together, each run takes one step's batch.")
+    batch_rows = next(iter(rows_seen), None)
     graphdef = state_treedef = None
     state, aggregations = [], ()
     if nodes:
@@ -278,7 +321,7 @@ def signature_of(strategy, fn, args, kwargs, place):
         aggregations = tuple(aggregation_of(v) for v in variables)
         state = [place(x, "the state of the NNX objects in args") for x in arrays]
     sig = Signature(strategy, fn, treedef, tuple(kinds), tuple(statics), graphdef,
-                    state_treedef, aggregations)
+                    state_treedef, aggregations, batch_rows)
     return sig, per_replica, broadcast, state, tuple(nodes)
 
 

@@ -108,12 +108,17 @@ def aggregation_of(variable: nnx.Variable) -> VariableAggregation:
     return VariableAggregation.NONE
 
 
-def _local_components(array) -> tuple:
-    """The components of ``array`` this process holds, one per device, in replica order."""
+def _local_components(array, rows=None) -> tuple:
+    """The components of ``array`` this process holds, one per device, in replica order.
+
+    With ``rows`` (a padded partial batch), component ``i`` is cut to its ``rows[i]`` real rows.
+    """
     if isinstance(array, jax.core.Tracer) or not hasattr(array, "addressable_shards"):
-        return tuple(array[i] for i in range(array.shape[0]))
-    shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return tuple(s.data[0] for s in shards)
+        parts = [(i, array[i]) for i in range(array.shape[0])]
+    else:
+        shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+        parts = [(s.index[0].start or 0, s.data[0]) for s in shards]
+    return tuple(x if rows is None else x[:rows[i]] for i, x in parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +129,9 @@ class PerReplica:
       stacked: ``[num_replicas, *local_shape]``; component ``i`` is ``stacked[i]``, held by
         replica ``i``'s device (sharded over the strategy's replica axes).
       strategy: the strategy whose replicas hold it (static: part of a jit signature).
+      rows: ``None``, or for a batch split unevenly (a partial last batch, TensorFlow's
+        split: :mod:`parallax.tf.partial_batches`) the real rows of each replica's component;
+        ``stacked`` holds them padded with zero rows to the largest count (static).
 
     Made by ``strategy.run`` (what the replica function returns), by the distributed
     datasets and by ``strategy.experimental_distribute_values_from_function``; inside
@@ -143,15 +151,20 @@ class PerReplica:
 
     stacked: Any
     strategy: Any
+    rows: tuple[int, ...] | None = None
 
     @property
     def values(self) -> tuple:
-        """The components this process holds, in replica order (each on its device)."""
-        return _local_components(self.stacked)
+        """The components this process holds, in replica order (each on its device).
+
+        A padded component is cut to its real rows, so components may differ in length (and
+        be empty), as TensorFlow's do.
+        """
+        return _local_components(self.stacked, self.rows)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The shape of one component."""
+        """The shape of one component (padded: the largest replica's rows)."""
         return tuple(self.stacked.shape[1:])
 
     @property
@@ -160,8 +173,9 @@ class PerReplica:
         return self.stacked.dtype
 
     def __repr__(self) -> str:
+        rows = "" if self.rows is None else f", rows={self.rows}"
         return (f"PerReplica(shape={self.shape}, dtype={self.dtype}, "
-                f"num_replicas={self.stacked.shape[0]})")
+                f"num_replicas={self.stacked.shape[0]}{rows})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,5 +217,6 @@ class Mirrored:
         return f"Mirrored(shape={tuple(self.value.shape)}, dtype={self.value.dtype})"
 
 
-jax.tree_util.register_dataclass(PerReplica, data_fields=["stacked"], meta_fields=["strategy"])
+jax.tree_util.register_dataclass(PerReplica, data_fields=["stacked"],
+                                 meta_fields=["strategy", "rows"])
 jax.tree_util.register_dataclass(Mirrored, data_fields=["value"], meta_fields=["strategy"])

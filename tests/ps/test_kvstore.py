@@ -90,3 +90,30 @@ def test_errors_from_servers_reach_the_worker_with_their_message(store):
         worker.wait(99)
     with pytest.raises(ValueError, match=r"rank 3 is outside \[0, 1\); create the store with"):
         store.worker(3)
+
+
+def test_pulls_of_never_pushed_keys_read_zeros_as_ps_lite(store):
+    """PS-Lite's ``KVServerDefaultHandle`` (include/ps/kv_app.h) answers a pull of a key
+    never pushed with a zero (``store[key]``). Here the length comes from ``pull(lens=)`` or
+    the store's ``value_len``; the zeros are not stored."""
+    store.reset(handle=None, consistency="eventual", num_workers=1, value_len=2)
+    try:
+        client = store.client()
+        ranges = store.server_key_ranges()
+        keys = np.array([ranges[0].begin + 1, ranges[1].begin + 1, ranges[2].begin + 1],
+                        np.uint64)
+        client.wait(client.push(keys[1:2], np.array([5.0, 6.0], np.float32)))
+        values, lens = client.wait(client.pull(keys), with_lens=True)
+        assert values.tolist() == [0, 0, 5, 6, 0, 0] and lens.tolist() == [2, 2, 2]
+        assert [s["keys"] for s in store.stats()] == [0, 1, 0]  # nothing inserted
+        assert client.wait(client.pull(keys[:1], lens=[3])).tolist() == [0, 0, 0]
+        with pytest.raises(ValueError, match=r"KVWorker.push: key .* gets 3 values, but the "
+                                             r"store was created with value_len=2"):
+            client.push(keys[:1], np.ones(3, np.float32))
+        store.reset(value_len=None)
+        client = store.client()
+        with pytest.raises(ValueError, match=r"keys were never pushed to this server .* pass "
+                                             r"lens= to pull"):
+            client.wait(client.pull(keys[:1]))
+    finally:
+        store.reset(value_len=None)

@@ -133,3 +133,32 @@ def test_server_errors_are_named():
         run(server.pull(keys(1), 0, None, 0))
     with pytest.raises(FileNotFoundError, match="no server checkpoint"):
         run(server.restore("/nonexistent/checkpoint"))
+
+
+def test_a_never_pushed_key_reads_as_zeros_of_the_stated_length():
+    """PS-Lite's ``KVServerDefaultHandle`` (include/ps/kv_app.h) answers ``store[key]``: a
+    zero for a key never pushed. Here the pull states the length (lens=); nothing is stored."""
+    server = make_server()
+    run(server.push(keys(5), np.array([1, 2], np.float32), None, 0, None, 0))
+    values, lens, _ = run(server.pull(keys(1, 5, 9), None, None, 0, np.array([3, 2, 1])))
+    assert values.tolist() == [0, 0, 0, 1, 2, 0] and lens.tolist() == [3, 2, 1]
+    assert server.table.keys.tolist() == [5]  # not inserted (PS-Lite's operator[] would)
+    run(server.push(keys(1), np.ones(4, np.float32), None, 0, None, 0))  # any length still
+    assert run(server.pull(keys(1), None, None, 0))[0].tolist() == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match=r"KVWorker.pull \(server 0\): key 5 holds 2 values but "
+                                         r"the pull asked for 3 \(lens=\)"):
+        run(server.pull(keys(5), None, None, 0, np.array([3])))
+    with pytest.raises(ValueError, match=r"1 of 2 keys were never pushed to this server "
+                                         r"\(first: 9\), and the pull does not say how many "
+                                         r"values they hold\. PS-Lite's default handle answers "
+                                         r"zeros for them: pass lens= to pull \(values per key\) "
+                                         r"or create the KVStore with value_len=k"):
+        run(server.pull(keys(5, 9), None, None, 0))
+
+
+def test_a_never_pushed_key_reads_its_initial_optimizer_state():
+    server = make_server(optax.adam(0.1))
+    run(server.push(keys(2), np.ones(2, np.float32), None, px.ps.ASSIGN, None, 0))
+    run(server.push(keys(2), np.ones(2, np.float32), None, 0, None, 0))
+    first_moment, _, _ = run(server.pull(keys(2, 7), 0, None, 0, np.array([2, 2])))
+    assert first_moment.tolist()[2:] == [0.0, 0.0] and first_moment[0] != 0.0

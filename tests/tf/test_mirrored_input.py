@@ -32,26 +32,32 @@ def test_datasets_from_function_take_one_element_per_replica():
     steps = list(strategy.distribute_datasets_from_function(dataset_fn))
     assert contexts == [px.tf.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                            num_replicas_in_sync=8)]
-    assert len(steps) == 2  # 19 elements: two steps of 8, the last 3 dropped
+    # 19 elements: two steps of 8, then TF's last step: 3 replicas with data, 5 empty.
+    assert len(steps) == 3
     assert [float(v[0, 0]) for v in steps[1]["x"].values] == list(range(8, 16))
-    assert steps[0]["x"].shape == (3, 1)
+    assert steps[0]["x"].shape == (3, 1) and steps[0]["x"].rows is None
+    assert steps[2]["x"].rows == (3, 3, 3, 0, 0, 0, 0, 0)
+    assert [v.shape[0] for v in steps[2]["x"].values] == [3, 3, 3, 0, 0, 0, 0, 0]
 
 
-def test_batches_that_do_not_divide_are_refused():
+def test_bad_global_batches_are_refused():
     strategy = px.tf.MirroredStrategy()
     with pytest.raises(ValueError, match=r"px.tf.MirroredStrategy.experimental_distribute_dataset: "
-                                         r"element 1 of the dataset has a global batch of 12 rows "
-                                         r"at \['x'\], not divisible by the 8 replicas "
-                                         r"\(num_replicas_in_sync\); batch the data with a global "
-                                         r"batch size that is a multiple of 8"):
-        list(strategy.experimental_distribute_dataset([{"x": np.zeros(16)}, {"x": np.zeros(12)}]))
+                                         r"element 1 of the dataset has leaves with different "
+                                         r"numbers of rows \(16 at \['x'\], 12 at \['y'\]\)"):
+        list(strategy.experimental_distribute_dataset(
+            [{"x": np.zeros(16), "y": np.zeros(16)}, {"x": np.zeros(16), "y": np.zeros(12)}]))
+    with pytest.raises(ValueError, match=r"element 0 of the dataset has a scalar at \['x'\]; "
+                                         r"every leaf needs a leading batch dimension"):
+        list(strategy.experimental_distribute_dataset([{"x": np.float32(1.0)}]))
     with pytest.raises(ValueError, match=r"px.tf.InputContext.get_per_replica_batch_size: the "
                                          r"global batch size 20 is not divisible by "
                                          r"num_replicas_in_sync=8; use a multiple of 8, e.g. 24"):
         strategy.input_context().get_per_replica_batch_size(20)
-    with pytest.raises(ValueError, match=r"the 8 per-replica elements of one step differ"):
+    with pytest.raises(ValueError, match=r"the per-replica elements of one step differ in "
+                                         r"structure, dtype or shape beyond the batch dimension"):
         list(strategy.distribute_datasets_from_function(
-            lambda ctx: [np.zeros(2)] * 7 + [np.zeros(3)]))
+            lambda ctx: [np.zeros((2, 1))] * 7 + [np.zeros((2, 3))]))
     with pytest.raises(TypeError, match=r"distribute_datasets_from_function: dataset_fn must "
                                         r"be callable"):
         strategy.distribute_datasets_from_function([np.zeros(8)])

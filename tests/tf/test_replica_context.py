@@ -49,5 +49,7 @@ def test_compute_average_loss_divides_by_the_global_batch():
     with pytest.raises(ValueError, match=r"px.tf.compute_average_loss: per_example_loss has "
                                          r"shape \(\); pass one loss per example"):
         px.tf.compute_average_loss(jnp.float32(1.0))
-    with pytest.raises(ValueError, match=r"global_batch_size=0 must be a positive int"):
-        px.tf.compute_average_loss(jnp.ones(3), global_batch_size=0)
+    # TensorFlow (nn_impl_distribute.py): a zero global batch gives 0 (div_no_nan).
+    assert float(px.tf.compute_average_loss(jnp.ones(3), global_batch_size=0)) == 0.0
+    with pytest.raises(ValueError, match=r"global_batch_size=-1 must be a non-negative int"):
+        px.tf.compute_average_loss(jnp.ones(3), global_batch_size=-1)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from parallax.analysis import hlo
 from parallax.analysis.program import pipeline_shares
-from parallax.pipeline.runtime.plan import RUNTIME_CODES
+from parallax.pipeline.runtime.lowering import RUNTIME_CODES
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|c64|c128|f8\w*)\[([\d,]*)\]")
@@ -202,24 +202,24 @@ def executed_cost(program, fractions: Fractions | None = None, *,
     return computation_cost(entry)
 
 
-def table_fractions(plan) -> Fractions:
+def table_fractions(lowered) -> Fractions:
     """How often the runtime's guarded loops run and its conditionals take each branch, from
-    its :class:`RuntimePlan`.
+    its :class:`~parallax.pipeline.runtime.lowering.LoweredSchedule`.
 
     The guard of each kind of action (``pp_F``, ``pp_B``, ``pp_W``, ``pp_BW``: a ``while``
-    of 0 or 1 trips) runs as often as the plan has cells of that kind; a flag's ``lax.cond``
+    of 0 or 1 trips) runs as often as the table has cells of that kind; a flag's ``lax.cond``
     or guard inside one (``pp_first``, ``pp_last``, ``pp_remat``) as often as the cells of
     that kind carry the flag. Any other conditional counts as its most expensive branch,
     any other loop of unknown trip count once.
     """
-    kind = plan.kind
+    kind = lowered.kind
 
     def action_share(name: str) -> float:
         return float((kind == RUNTIME_CODES[name]).mean())
 
     def flag_share(name: str, flag: str) -> float | None:
         among = kind == RUNTIME_CODES[name]
-        return float(getattr(plan, flag)[among].mean()) if among.any() else None
+        return float(getattr(lowered, flag)[among].mean()) if among.any() else None
 
     def fractions(op_name: str, branches: int) -> list[float] | None:
         return pipeline_shares(op_name, branches, action_share, flag_share)

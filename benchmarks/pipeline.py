@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     from parallax.analysis import hlo
     from parallax.analysis.executed import executed_cost
     from parallax.pipeline.runtime.guard_shares import table_fractions
-    from parallax.pipeline.runtime.plan import runtime_plan
+    from parallax.pipeline.runtime.lowering import lower_schedule
     from parallax.strategies.pipeline import Pipeline
 
     p, m = args.stages, args.microbatches
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         print(f"{name:<16}{'':>6}{'':>8}{hlo.memory(c).temp_bytes / 1e6:>9.2f}{0:>12.2f}"
               f"{0:>15.2f}{cost.flops / seq_cost.flops:>7.3f}{cost.bytes / seq_cost.bytes:>7.3f}"
               f"{1:>7.3f}{statistics.median(times[name]) / base:>7.2f}")
-    remat_plan = args.remat if args.remat in ("always", "except_last") else "never"
+    remat_mode = args.remat if args.remat in ("always", "except_last") else "never"
     for name, c in compiled.items():
         found = hlo.collectives(c, mesh)
         sched = tables.get(name)
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         permuted = hlo.total_bytes(found, "collective-permute")
         # summed over the stages; a table's actions weighed by the table, GPipe by
         # autodiff's conditionals (first, last) at their most expensive branch
-        cost = executed_cost(c, table_fractions(runtime_plan(sched, remat_plan))
+        cost = executed_cost(c, table_fractions(lower_schedule(sched, remat_mode))
                              if sched else None)
         same = split_cost if sched and sched.split_backward else seq_cost  # its arithmetic
         print(f"{name:<16}{ticks:>6}{bubble:>8}{hlo.memory(c).temp_bytes / 1e6:>9.2f}"

@@ -143,17 +143,17 @@ def test_v_shaped_zero_bubble_schedules_train_the_gpt_like_one_device(schedule):
 
 @pytest.mark.slow
 def test_uneven_stages_from_a_partition_train_like_one_device():
-    """Layers [3, 2, 2, 1] over 4 stages (torchgpipe's balance, or a partition's Plan):
+    """Layers [3, 2, 2, 1] over 4 stages (torchgpipe's balance, or a px.pipeline.Partition):
     5 steps equal one device."""
     def make():  # a step small enough for the toy's 8 layers to train, not to blow up
         return px.TrainState.create(Toy(layers=8), optax.sgd(0.01, momentum=0.9))
 
     data = [toy_batch(16, seed=s) for s in range(fx.STEPS)]
     ref = px.testing.train(make, LOSS, data)
-    plan = px.pipeline.Plan.from_boundaries([1.0] * 8, (0, 3, 5, 7, 8))
-    assert plan.layers_per_stage == (3, 2, 2, 1)
+    split = px.pipeline.Partition.from_boundaries([1.0] * 8, (0, 3, 5, 7, 8))
+    assert split.layers_per_stage == (3, 2, 2, 1)
     mesh = px.make_mesh(stage=4, devices=jax.devices()[:4])
-    strategy = Pipeline("stage", microbatches=4, schedule="1f1b", balance=plan)
+    strategy = Pipeline("stage", microbatches=4, schedule="1f1b", balance=split)
     run = px.testing.train(make, LOSS, data, mesh=mesh, strategy=strategy)
     px.testing.assert_equivalent(run, ref, rtol=1e-5)
 

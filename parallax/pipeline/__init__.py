@@ -9,7 +9,7 @@ directly; it is printed, plotted and costed before anything runs:
     s.as_arrays()                      # int arrays [ticks, stages] and the buffer plan
 
     records = px.pipeline.profile(layers, sample)
-    plan = px.pipeline.partition(records, stages=4, method="pipedream", bandwidth=1e10)
+    split = px.pipeline.partition(records, stages=4, method="pipedream", bandwidth=1e10)
 
 The runtime executes any schedule's table in one ``jit`` (``shard_map`` over the stage axis,
 a ``lax.scan`` over ticks); a pipelined loss is a :class:`Stages` value:
@@ -29,7 +29,7 @@ See ``docs/pipeline.md`` for the tick model, the runtime, the formulas and measu
 """
 
 from parallax.pipeline.planning.partition import METHODS as METHODS
-from parallax.pipeline.planning.partition import Plan as Plan
+from parallax.pipeline.planning.partition import Partition as Partition
 from parallax.pipeline.planning.partition import partition as partition
 from parallax.pipeline.planning.profile import LayerProfile as LayerProfile
 from parallax.pipeline.planning.profile import profile as profile
@@ -44,7 +44,7 @@ from parallax.pipeline.schedules import Action as Action
 from parallax.pipeline.schedules import Placement as Placement
 from parallax.pipeline.schedules import Schedule as Schedule
 from parallax.pipeline.schedules import schedule as schedule
-from parallax.pipeline.producer import WEIGHTS as WEIGHTS
+from parallax.pipeline.settings import WEIGHTS as WEIGHTS
 from parallax.pipeline.stages import Stages as Stages
 from parallax.pipeline.update import update as update
 from parallax.pipeline.versions import double_buffered as double_buffered
@@ -57,8 +57,8 @@ __all__ = [
     "WEIGHTS",
     "Action",
     "LayerProfile",
+    "Partition",
     "Placement",
-    "Plan",
     "Schedule",
     "Stages",
     "double_buffered",

@@ -1,8 +1,9 @@
-"""What ``px.Pipeline`` puts in a strategy: its settings, as the gradient producer itself.
+"""What ``px.Pipeline`` puts in a strategy: a gradient producer holding its settings.
 
 ``Strategy.grad_fn`` is called as ``grad_fn(request, params, batch)`` by
-``px.value_and_grad``. :class:`PipelineProducer` is that callable and, being a frozen
-dataclass, also the pipeline's settings, which ``px.pipeline.update`` reads back from the
+``px.value_and_grad``. :class:`PipelineProducer` is that callable, a frozen dataclass around
+the pipeline's checked settings (:class:`parallax.pipeline.settings.PipelineSettings`),
+which it passes on to the runtime and which ``px.pipeline.update`` reads back from the
 strategy in context (equal settings compare equal, so equal strategies still compose).
 
 An NNX module's non-parameter state (BatchNorm statistics, RNG streams) is read from the
@@ -16,16 +17,15 @@ the runtime, and returned in a :class:`parallax.grad.slice_loss.LocalResult`, wh
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from parallax import context
 from parallax.grad.slice_loss import LocalResult
 from parallax.pipeline import module_state
 from parallax.pipeline.runtime.gradients import pipeline_grads
+from parallax.pipeline.settings import PipelineSettings
 from parallax.pipeline.stages import Stages
 
 API = "px.Pipeline"
-WEIGHTS = ("flush", "stashed", "2bw")
 # What px.pipeline.update passes as the loss's extra argument: px.value_and_grad called by
 # it, not by the user (who, with asynchronous weights, must call px.pipeline.update).
 FROM_UPDATE = ("px.pipeline.update",)
@@ -33,20 +33,13 @@ FROM_UPDATE = ("px.pipeline.update",)
 
 @dataclasses.dataclass(frozen=True)
 class PipelineProducer:
-    """The pipeline's settings and its ``Strategy.grad_fn``.
+    """The pipeline's ``Strategy.grad_fn``.
 
-    Attributes are those of :func:`parallax.strategies.pipeline.Pipeline`, checked there;
-    ``virtual_stages`` is resolved (the schedule's default when none was given).
+    Attributes:
+      settings: the options of :func:`parallax.strategies.pipeline.Pipeline`, checked there.
     """
 
-    axis: str
-    microbatches: int
-    schedule: Any
-    virtual_stages: int
-    remat: Any
-    split_backward: bool | None
-    balance: tuple[int, ...] | None
-    weights: str
+    settings: PipelineSettings
 
     def __call__(self, request, params, batch):
         stages = request.loss_fn
@@ -59,30 +52,28 @@ class PipelineProducer:
                 "parallax.models.gpt_pipeline.next_token_stages."
             )
         check_style()
-        if self.weights != "flush" and request.args != FROM_UPDATE:
+        settings = self.settings
+        if settings.weights != "flush" and request.args != FROM_UPDATE:
             raise ValueError(
-                f"{API}(weights={self.weights!r}): the weights are not one version per step, "
-                "so px.value_and_grad + state.apply_gradients cannot express the step; write "
-                "it as `state, loss = px.pipeline.update(loss_fn, state, batch)`"
+                f"{API}(weights={settings.weights!r}): the weights are not one version per "
+                "step, so px.value_and_grad + state.apply_gradients cannot express the step; "
+                "write it as `state, loss = px.pipeline.update(loss_fn, state, batch)`"
             )
         if request.has_aux or (request.args and request.args != FROM_UPDATE):
             raise ValueError(
                 f"{API}: a pipelined loss takes (model, batch) and returns the loss only; "
                 f"got has_aux={request.has_aux} and {len(request.args)} extra arguments"
             )
-        settings = dict(schedule=self.schedule, microbatches=self.microbatches,
-                        virtual_stages=self.virtual_stages, split_backward=self.split_backward,
-                        axis=self.axis, remat=self.remat, balance=self.balance, api=API)
         local = request.value_and_grad
         target = getattr(local, "target", None)
         if module_state.carries_state(target):
-            module_state.check(target, local.options, API, self.weights)
+            module_state.check(target, local.options, API, settings.weights)
             loss, grads, after = pipeline_grads(
                 stages, params, module_state.rebuild_for(target, local.options), batch,
-                state=local.state, run=module_state.run_for(local.options, local.position),
-                **settings)
+                settings, api=API, state=local.state,
+                run=module_state.run_for(local.options, local.position))
             return (loss, LocalResult(None, module_state.shared_exact(after), None, {})), grads
-        loss, grads = pipeline_grads(stages, params, request.rebuild, batch, **settings)
+        loss, grads = pipeline_grads(stages, params, request.rebuild, batch, settings, api=API)
         return (loss, None), grads
 
 

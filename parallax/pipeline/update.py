@@ -29,6 +29,7 @@ from parallax.grad.module_state import StateOptions, Target
 from parallax.pipeline import module_state
 from parallax.pipeline.producer import FROM_UPDATE, PipelineProducer
 from parallax.pipeline.runtime.gradients import pipeline_update
+from parallax.pipeline.settings import PipelineSettings
 from parallax.pipeline.stages import Stages
 from parallax.pipeline.versions import DoubleBufferedState
 
@@ -92,12 +93,13 @@ def update(loss: Stages, state, batch):
     for field in ("graphdef", "params", "rest", "opt_state", "tx"):
         if not hasattr(state, field):
             raise TypeError(f"{API}: state must be a px.TrainState, got {type(state).__name__}")
-    if producer.weights == "flush":
+    settings = producer.settings
+    if settings.weights == "flush":
         value, grads = value_and_grad(loss)(state.model, batch)
         return state.apply_gradients(grads), value
-    if producer.weights == "2bw":
+    if settings.weights == "2bw":
         return _two_versions(loss, state, batch)
-    return _stashed(loss, state, batch, producer, ctx)
+    return _stashed(loss, state, batch, settings, ctx)
 
 
 def _two_versions(loss, state, batch):
@@ -114,7 +116,7 @@ def _two_versions(loss, state, batch):
     return state.apply_gradients(grads), value
 
 
-def _stashed(loss, state, batch, producer: PipelineProducer, ctx):
+def _stashed(loss, state, batch, settings: PipelineSettings, ctx):
     axes = [a for a in ctx.strategy.batch_axes if a in ctx.mesh.shape and ctx.mesh.shape[a] > 1]
     if axes:
         raise ValueError(
@@ -130,8 +132,6 @@ def _stashed(loss, state, batch, producer: PipelineProducer, ctx):
     graphdef, rest = state.graphdef, state.rest
     value, params, opt_state = pipeline_update(
         loss, state.params, lambda p: nnx.merge(graphdef, p, rest), batch, state.tx,
-        state.opt_state, schedule=producer.schedule, microbatches=producer.microbatches,
-        virtual_stages=producer.virtual_stages, split_backward=producer.split_backward,
-        axis=producer.axis, remat=producer.remat, balance=producer.balance, api=API)
-    return state.replace(step=state.step + producer.microbatches, params=params,
+        state.opt_state, settings, api=API)
+    return state.replace(step=state.step + settings.microbatches, params=params,
                          opt_state=opt_state), value

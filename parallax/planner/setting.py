@@ -121,19 +121,21 @@ class StepSetting:
 
 def _pipeline(strategy: Strategy, mesh_shape: dict) -> PipelineSetting | None:
     """The pipeline's settings: ``px.Pipeline``'s gradient producer is a
-    :class:`~parallax.pipeline.producer.PipelineProducer` value that holds them."""
+    :class:`~parallax.pipeline.producer.PipelineProducer` value that holds them
+    (``producer.settings``)."""
     producer = strategy.grad_fn
     if not isinstance(producer, PipelineProducer):
         return None
-    stages = mesh_shape.get(producer.axis, 1)
-    micro = int(producer.microbatches)
-    sched = producer.schedule
+    settings = producer.settings
+    stages = mesh_shape.get(settings.axis, 1)
+    micro = int(settings.microbatches)
+    sched = settings.schedule
     if not isinstance(sched, Schedule):
-        split = producer.split_backward
-        sched = schedule(sched, stages, micro, producer.virtual_stages,
+        split = settings.split_backward
+        sched = schedule(sched, stages, micro, settings.virtual_stages,
                          **({} if split is None else {"split_backward": bool(split)}))
-    remat = producer.remat
-    return PipelineSetting(producer.axis, stages, micro, sched.virtual_stages, sched,
+    remat = settings.remat
+    return PipelineSetting(settings.axis, stages, micro, sched.virtual_stages, sched,
                            remat if isinstance(remat, str) else "policy")
 
 

@@ -3,10 +3,10 @@ PipeDream's weight versions."""
 
 from __future__ import annotations
 
-from parallax.pipeline.producer import WEIGHTS, PipelineProducer
-from parallax.pipeline.runtime.checks import (check_balance, check_count, check_remat,
-                                              check_schedule_name, chunks_for)
+from parallax.pipeline.producer import PipelineProducer
+from parallax.pipeline.runtime.checks import check_positive_int
 from parallax.pipeline.schedules.table import Schedule
+from parallax.pipeline.settings import PipelineSettings
 from parallax.rules import LAYERS
 from parallax.strategy import Strategy
 
@@ -54,7 +54,7 @@ def Pipeline(axis: str = "stage", *, microbatches: int, schedule: str | Schedule
       split_backward: schedule the weight-gradient half of each backward on its own
         (default: the schedule's own; the zero-bubble schedules need it).
       balance: layers per (virtual) stage, torchgpipe's ``balance``, or a
-        ``px.pipeline.Plan`` from ``px.pipeline.partition``; default an even split.
+        ``px.pipeline.Partition`` from ``px.pipeline.partition``; default an even split.
       weights: PipeDream's weight versions: ``"flush"`` (one per step, synchronous),
         ``"stashed"`` (an update after every micro-batch, each backward on its forward's
         version) or ``"2bw"`` (the step's gradient at the previous version); the last two
@@ -77,7 +77,7 @@ def Pipeline(axis: str = "stage", *, microbatches: int, schedule: str | Schedule
       Megatron-LM (interleaved 1F1B, 3D parallelism); Qi et al. 2024, Zero Bubble Pipeline
       Parallelism; DeepSeek-AI 2024, DeepSeek-V3 (DualPipe).
     """
-    microbatches = check_count("microbatches", microbatches, API)
+    microbatches = check_positive_int("microbatches", microbatches, API)
     if isinstance(schedule, Schedule):
         virtual_stages = schedule.virtual_stages
         if schedule.microbatches != microbatches:
@@ -85,26 +85,18 @@ def Pipeline(axis: str = "stage", *, microbatches: int, schedule: str | Schedule
                 f"{API}: the schedule {schedule!r} has {schedule.microbatches} micro-batches "
                 f"but microbatches={microbatches}; pass the same number"
             )
-    chunks = chunks_for(schedule, virtual_stages, API)
-    check_schedule_name(schedule, chunks, API)
-    check_remat(remat, API)
-    balance = check_balance(balance, API)
-    if weights not in WEIGHTS:
-        raise ValueError(
-            f"{API}: weights={weights!r} is not a weight-version mode; use 'flush' "
-            "(PipeDream-flush: one version per step, synchronous), 'stashed' (PipeDream: an "
-            "update after every micro-batch, each backward on the version its forward used) "
-            "or '2bw' (PipeDream-2BW: two versions, the step's gradient at the previous one)"
-        )
+    settings = PipelineSettings.of(
+        API, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+        split_backward=split_backward, axis=axis, remat=remat, balance=balance,
+        weights=weights)
+    balance = settings.balance
     label = schedule.name if isinstance(schedule, Schedule) else schedule
-    producer = PipelineProducer(axis, microbatches, schedule, chunks, remat, split_backward,
-                                balance, weights)
     extra = f", virtual_stages={virtual_stages}" if (virtual_stages or 1) > 1 else ""
     extra += f", balance={balance}" if balance else ""
     extra += f", weights={weights!r}" if weights != "flush" else ""
     return Strategy(
         name=f"Pipeline({axis!r}, microbatches={microbatches}, schedule={label!r}{extra})",
         rules=((LAYERS, axis),),
-        grad_fn=producer,
+        grad_fn=PipelineProducer(settings),
         microbatches=microbatches,
     )

@@ -14,7 +14,7 @@ from parallax.analysis import hlo
 from parallax.models.gpt_pipeline import next_token_stages
 from parallax.analysis.executed import executed_cost
 from parallax.pipeline.runtime.guard_shares import table_fractions
-from parallax.pipeline.runtime.plan import runtime_plan
+from parallax.pipeline.runtime.lowering import lower_schedule
 
 from pipeline.runtime_testing import stage_mesh
 
@@ -63,7 +63,7 @@ def test_the_pipeline_computes_what_the_sequential_model_computes():
     the idle ticks compute nothing."""
     sequential, pipelined, sched = gpt_programs()
     seq = executed_cost(sequential)
-    run = executed_cost(pipelined, table_fractions(runtime_plan(sched, "never")))
+    run = executed_cost(pipelined, table_fractions(lower_schedule(sched, "never")))
     assert 0.99 <= sched.stages * run.flops / seq.flops <= 1.03
     # bytes: each action writes its slots and accumulators in place, each layer of its
     # layer loop reads and writes its ring slots at [slot, layer], and a tick that runs
@@ -91,7 +91,7 @@ def test_a_split_schedule_costs_the_split_and_little_more():
         pipelined = jax.jit(pp.value_and_grad(next_token_stages, sched, remat="never")).lower(
             model, batch).compile()
     seq, one = executed_cost(sequential), executed_cost(split)
-    run = executed_cost(pipelined, table_fractions(runtime_plan(sched, "never")))
+    run = executed_cost(pipelined, table_fractions(lower_schedule(sched, "never")))
     permuted = hlo.total_bytes(hlo.collectives(pipelined, mesh), "collective-permute")
     assert 1.05 < one.bytes / seq.bytes < 1.2  # the split's own cost
     assert sched.stages * run.bytes / (one.bytes + sched.stages * permuted) < 1.1

@@ -16,7 +16,8 @@ from parallax import pipeline as pp
 from parallax.analysis import hlo
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.gradients import pipeline_grads
-from parallax.pipeline.runtime.plan import runtime_plan, widen
+from parallax.pipeline.runtime.lowering import lower_schedule, widen
+from parallax.pipeline.settings import PipelineSettings
 from parallax.pipeline.stages import program
 
 D_IN, D, D_OUT, BATCH = 4, 8, 3, 32
@@ -97,8 +98,9 @@ def pipelined(name: str, stages: int, microbatches: int, virtual_stages: int | N
     layers = stages * sched.virtual_stages * per_chunk
 
     def run(params, batch):
-        return pipeline_grads(TOY, params, lambda p: p, batch, schedule=sched,
-                              microbatches=microbatches, remat=remat, trace=True)
+        settings = PipelineSettings.of("test", microbatches=microbatches, schedule=sched,
+                                       remat=remat)
+        return pipeline_grads(TOY, params, lambda p: p, batch, settings, trace=True)
 
     with jax.set_mesh(stage_mesh(stages)):
         loss, grads, codes = jax.jit(run)(toy_params(layers), toy_batch())
@@ -110,24 +112,26 @@ def family(names: tuple, stages: int, microbatches: int, virtual_stages: int | N
            remat: str = "except_last", per_chunk: int = 1):
     """``{name: (loss, grads, executed codes, schedule)}`` for schedules of one shape (same
     stages, micro-batches, chunks and placement), all run by ONE compiled program: their
-    runtime plans are widened to one shape and each table is passed as an argument."""
+    lowered schedules are widened to one shape and each table is passed as an argument."""
     scheds = [pp.schedule(name, stages, microbatches, virtual_stages) for name in names]
-    plans = widen([runtime_plan(s, remat) for s in scheds])
+    lowered = widen([lower_schedule(s, remat) for s in scheds])
+    settings = PipelineSettings.of("test", microbatches=microbatches, schedule=scheds[0],
+                                   remat=remat)
     layers = stages * scheds[0].virtual_stages * per_chunk
 
     def run(params, batch, table):
         prog = program(TOY, params, lambda q: q, "test")
         with context.manual(("stage",)):
             loss, d_stacked, d_others, codes = ticks.execute(
-                prog, scheds[0], batch, axis="stage", remat=remat, policy=None, api="test",
-                trace=True, plan=plans[0], table=table)
+                prog, scheds[0], batch, settings, api="test", trace=True, lowered=lowered[0],
+                table=table)
         return loss, prog.grads(d_stacked, d_others), codes
 
     with jax.set_mesh(stage_mesh(stages)):
-        step = jax.jit(run).lower(toy_params(layers), toy_batch(), plans[0].table()).compile()
+        step = jax.jit(run).lower(toy_params(layers), toy_batch(), lowered[0].table()).compile()
         out = {}
-        for name, sched, plan in zip(names, scheds, plans):
-            loss, grads, codes = step(toy_params(layers), toy_batch(), plan.table())
+        for name, sched, one in zip(names, scheds, lowered):
+            loss, grads, codes = step(toy_params(layers), toy_batch(), one.table())
             out[name] = (loss, grads, np.asarray(codes), sched)
     return out
 

@@ -102,7 +102,7 @@ def traffic(report, kind, axis):
 
 
 def gpt3d_report(mesh_fn):
-    axes, strategy, loss_fn = commands.parse_strategy("dp+tp+pp", 8)
+    axes, strategy, loss_fn = explain_and_plan.parse_strategy("dp+tp+pp", 8)
     mesh = mesh_fn(px.make_mesh(**axes))
 
     @px.train_step(mesh, strategy)
@@ -110,7 +110,7 @@ def gpt3d_report(mesh_fn):
         loss, grads = px.value_and_grad(loss_fn)(state.model, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
-    return px.explain(step, jax.eval_shape(commands.state_fn(CONFIG)), BATCH)
+    return px.explain(step, jax.eval_shape(explain_and_plan.state_fn(CONFIG)), BATCH)
 
 
 @pytest.mark.slow

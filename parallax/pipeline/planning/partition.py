@@ -32,7 +32,7 @@ METHODS = ("uniform", "balance_by_time", "balance_by_size", "pipedream")
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Partition:
     """Contiguous stage boundaries and what each stage costs.
 
     Stage ``k`` holds layers ``boundaries[k]`` to ``boundaries[k + 1] - 1``.
@@ -46,10 +46,10 @@ class Plan:
       costs: per stage, ``compute + comm`` (``max(compute, comm)`` with ``overlap=True``).
 
     Example:
-      >>> plan = partition([1.0, 1.0, 2.0, 4.0], stages=2)
-      >>> plan.boundaries, plan.layers_per_stage, plan.bottleneck, plan.imbalance
+      >>> split = partition([1.0, 1.0, 2.0, 4.0], stages=2)
+      >>> split.boundaries, split.layers_per_stage, split.bottleneck, split.imbalance
       ((0, 3, 4), (3, 1), 4.0, 1.0)
-      >>> print(plan.text())
+      >>> print(split.text())
       balance_by_time: 2 stages, bottleneck 4 (stage 0), imbalance 1.000
       stage 0: layers 0-2 (3), compute 4, comm 0, cost 4
       stage 1: layers 3-3 (1), compute 4, comm 0, cost 4
@@ -111,11 +111,11 @@ class Plan:
         bandwidth=None,
         overlap=False,
         activation_bytes=None,
-    ) -> Plan:
+    ) -> Partition:
         """Evaluates given boundaries by time and communication, as ``"pipedream"`` does.
 
         Example:
-          >>> Plan.from_boundaries([1.0, 2.0, 3.0], (0, 2, 3)).costs
+          >>> Partition.from_boundaries([1.0, 2.0, 3.0], (0, 2, 3)).costs
           (3.0, 3.0)
         """
         layers = _layers(costs, activation_bytes)
@@ -132,7 +132,7 @@ class Plan:
                 f"of layers ({n})"
             )
         stage_cost = _stage_cost(layers, "time", bandwidth, overlap)
-        return _plan("given", boundaries, stage_cost)
+        return _partition_of("given", boundaries, stage_cost)
 
 
 def partition(
@@ -144,7 +144,7 @@ def partition(
     overlap: bool = False,
     param_scale: float = 2.0,
     activation_bytes: Sequence[float] | None = None,
-) -> Plan:
+) -> Partition:
     """Splits layers into ``stages`` contiguous stages.
 
     Args:
@@ -164,15 +164,15 @@ def partition(
       activation_bytes: per-layer output bytes, when ``costs`` are plain numbers.
 
     Returns:
-      A :class:`Plan`.
+      A :class:`Partition`.
 
     Raises:
       ValueError: for an unknown method, more stages than layers, or non-positive costs.
 
     Example:
       >>> from parallax.pipeline import partition
-      >>> plan = partition([1, 1, 2, 4], stages=2)
-      >>> plan.boundaries, plan.costs, plan.slowest
+      >>> split = partition([1, 1, 2, 4], stages=2)
+      >>> split.boundaries, split.costs, split.slowest
       ((0, 3, 4), (4.0, 4.0), 0)
 
     References:
@@ -213,7 +213,7 @@ def partition(
             layers, measure, bandwidth if method == "pipedream" else None, overlap
         )
         boundaries = _min_max(n, stages, lambda i, j: objective(i, j)[2])
-    return _plan(method, boundaries, report)
+    return _partition_of(method, boundaries, report)
 
 
 def _layers(costs, activation_bytes) -> dict:
@@ -306,6 +306,6 @@ def _min_max(n: int, stages: int, cost) -> tuple[int, ...]:
     return tuple(reversed(boundaries))
 
 
-def _plan(method: str, boundaries: tuple[int, ...], cost) -> Plan:
+def _partition_of(method: str, boundaries: tuple[int, ...], cost) -> Partition:
     parts = [cost(i, j) for i, j in zip(boundaries, boundaries[1:])]
-    return Plan(method, boundaries, *(tuple(p[k] for p in parts) for k in range(3)))
+    return Partition(method, boundaries, *(tuple(p[k] for p in parts) for k in range(3)))

@@ -1,8 +1,9 @@
 """The pipeline's checks at the API boundary: counts, remat, schedule, balance, layers.
 
-Shared by ``px.pipeline.value_and_grad``, ``px.pipeline.gpipe_value_and_grad`` and the
-``px.Pipeline`` strategy, so every entry point raises the same messages (each names the
-API, the values and the fix).
+Shared by :meth:`parallax.pipeline.settings.PipelineSettings.of` (which
+``px.pipeline.value_and_grad`` and the ``px.Pipeline`` strategy call) and
+``px.pipeline.gpipe_value_and_grad``, so every entry point raises the same messages (each
+names the API, the values and the fix).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from parallax.pipeline.planning.partition import Plan
+from parallax.pipeline.planning.partition import Partition
 from parallax.pipeline.runtime.layer_moves import Layout, check_layers
-from parallax.pipeline.schedules.named import (SCHEDULES, check_chunks, check_count,
+from parallax.pipeline.schedules.named import (SCHEDULES, check_chunks, check_positive_int,
                                                default_virtual_stages)
 from parallax.pipeline.schedules.named import schedule as build_schedule
 from parallax.pipeline.schedules.table import Schedule
@@ -46,7 +47,7 @@ def chunks_for(schedule, virtual_stages, api: str) -> int:
         return schedule.virtual_stages
     if virtual_stages is None:
         return default_virtual_stages(schedule)
-    return check_count("virtual_stages", virtual_stages, api)
+    return check_positive_int("virtual_stages", virtual_stages, api)
 
 
 def check_schedule_name(name, virtual_stages: int, api: str) -> None:
@@ -65,16 +66,16 @@ def check_schedule_name(name, virtual_stages: int, api: str) -> None:
 
 
 def check_balance(balance, api: str) -> tuple[int, ...] | None:
-    """Layer counts per virtual stage, from a sequence or a ``px.pipeline.Plan``."""
+    """Layer counts per virtual stage, from a sequence or a ``px.pipeline.Partition``."""
     if balance is None:
         return None
-    counts = balance.layers_per_stage if isinstance(balance, Plan) else balance
+    counts = balance.layers_per_stage if isinstance(balance, Partition) else balance
     if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
         raise TypeError(
             f"{api}: balance must be a sequence of layer counts per stage (torchgpipe's "
-            f"balance) or a px.pipeline.Plan, got {balance!r}"
+            f"balance) or a px.pipeline.Partition, got {balance!r}"
         )
-    return tuple(check_count(f"balance[{i}]", n, api) for i, n in enumerate(counts))
+    return tuple(check_positive_int(f"balance[{i}]", n, api) for i, n in enumerate(counts))
 
 
 def layout_for(layers: int, sched: Schedule, balance, api: str, axis: str) -> Layout:

@@ -25,6 +25,10 @@ holds once for every layer and micro-batch.
 Every layer also takes and returns its non-parameter state (``[layers, ...]`` per leaf for a
 chunk; none for a stateless model): ``F`` (and a rematerialised forward) returns the state
 after each layer; ``B`` and ``W`` read only what ``F`` stashed, so they never move it.
+
+(A little over 300 lines: the template and the four layer loops, ``F``, ``F`` into the
+stash, ``B`` and ``W`` apart or fused, read one layout of the stash and must change
+together.)
 """
 
 from __future__ import annotations

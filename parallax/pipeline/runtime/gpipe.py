@@ -27,7 +27,7 @@ from parallax.grad.gradients import split_target
 from parallax.grad.microbatches import check_microbatches
 from parallax.pipeline import module_state
 from parallax.pipeline.runtime import ticks
-from parallax.pipeline.runtime.checks import check_count, check_remat
+from parallax.pipeline.runtime.checks import check_positive_int, check_remat
 from parallax.pipeline.runtime.layer_moves import check_layers
 from parallax.pipeline.stages import Stages, program
 from parallax.comm.varying import varying_axes
@@ -67,7 +67,7 @@ def gpipe_value_and_grad(stages: Stages, *, microbatches: int, axis: str = "stag
     if not isinstance(stages, Stages):
         raise TypeError(f"{API}: the loss must be a px.pipeline.Stages, got "
                         f"{type(stages).__name__}")
-    microbatches = check_count("microbatches", microbatches, API)
+    microbatches = check_positive_int("microbatches", microbatches, API)
     mode, policy = check_remat(remat, API)
     if mode == "except_last":
         raise ValueError(f"{API}: remat='except_last' needs the table runtime; use "

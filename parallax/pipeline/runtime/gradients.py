@@ -1,10 +1,12 @@
 """``px.pipeline.value_and_grad``: a :class:`Stages` loss and its gradients, pipelined.
 
 The entry point for any model given as ``(first, stage, last)`` functions over stacked
-layers, and what the ``px.Pipeline`` strategy calls inside ``px.train_step``. It validates
-everything at the boundary (:mod:`parallax.pipeline.runtime.checks`: the mesh axis, the
-schedule, the layer count or balance, the micro-batch count, the rematerialisation option)
-and runs the table runtime of :mod:`parallax.pipeline.runtime.ticks`.
+layers, and what the ``px.Pipeline`` strategy calls inside ``px.train_step``. The options
+are checked once, into a :class:`parallax.pipeline.settings.PipelineSettings`, where the
+function is built (or the strategy is); what depends on the call is checked where it is
+known (:mod:`parallax.pipeline.runtime.checks`: the mesh axis, the schedule on it, the layer
+count or balance, the batch's split into micro-batches), and the settings go on to the table
+runtime of :mod:`parallax.pipeline.runtime.ticks`.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.optimizer import part_optimizer, replace_leaves
 from parallax.pipeline.runtime.stage_state import StateRun
 from parallax.pipeline.runtime.stashed import Versions
-from parallax.pipeline.runtime.checks import (POLICIES, REMAT, check_balance, check_count,
-                                              check_remat, check_schedule_name, chunks_for,
-                                              layout_for, resolve_schedule)
+from parallax.pipeline.runtime.checks import POLICIES, REMAT
 from parallax.pipeline.schedules.table import Schedule
+from parallax.pipeline.settings import PipelineSettings
 from parallax.pipeline.stages import Stages, program
 from parallax.grad.sliced_rng import WHOLE
 
@@ -31,27 +32,23 @@ __all__ = ["POLICIES", "REMAT", "pipeline_grads", "pipeline_update", "value_and_
 API = "px.pipeline.value_and_grad"
 
 
-def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule="1f1b",
-                   microbatches: int, virtual_stages: int | None = None,
-                   split_backward: bool | None = None, axis: str = "stage",
-                   remat="except_last", balance=None, api: str = API, trace: bool = False,
+def pipeline_grads(stages: Stages, params, rebuild: Callable, batch,
+                   settings: PipelineSettings, *, api: str = API, trace: bool = False,
                    state=None, run: StateRun | None = None):
-    """``(loss, grads)`` of ``stages`` on ``batch``, pipelined over mesh axis ``axis``.
+    """``(loss, grads)`` of ``stages`` on ``batch``, pipelined as ``settings`` say.
 
     With ``state`` (the module's non-parameter state; ``rebuild(params, state)`` then
     builds the module) and ``run`` (how it flows, :mod:`parallax.pipeline.module_state`),
     ``(loss, grads, state_after)``. With ``trace``, also the action codes each stage
     ran at each tick, ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what
-    executed, to compare with ``Schedule.as_arrays().kind``.
+    executed, to compare with ``Schedule.as_arrays().kind``. ``api`` is named in errors.
     """
-    prog, sched, layout, mode, policy = _prepare(
-        stages, params, rebuild, batch, schedule, microbatches, virtual_stages, split_backward,
-        axis, remat, balance, api, state)
+    prog, sched, layout = _prepare(stages, params, rebuild, batch, settings, api, state)
     _check_state_layers(prog, api)
-    with context.manual((axis,)):
+    with context.manual((settings.axis,)):
         loss, d_stacked, d_others, *rest = ticks.execute(
-            prog, sched, batch, axis=axis, remat=mode, policy=policy, api=api, trace=trace,
-            layout=layout, run=run if state is not None else None)
+            prog, sched, batch, settings, api=api, trace=trace, layout=layout,
+            run=run if state is not None else None)
     if state is None:
         return (loss, prog.grads(d_stacked, d_others), *rest)
     if prog.stacked_state or prog.others_state:
@@ -61,20 +58,14 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch, *, schedule
     return (loss, prog.grads(d_stacked, d_others), prog.state(s_new, o_new), *rest)
 
 
-def _prepare(stages, params, rebuild, batch, schedule, microbatches, virtual_stages,
-             split_backward, axis, remat, balance, api, state):
-    """Everything checked at the boundary, then ``(program, schedule, layout, remat mode,
-    remat policy)`` for the runtime."""
-    mode, policy = check_remat(remat, api)
-    virtual_stages = chunks_for(schedule, virtual_stages, api)
-    size = ticks.stage_count(axis, None, api)
-    sched = resolve_schedule(schedule, size, microbatches, virtual_stages, split_backward,
-                             axis, api)
+def _prepare(stages, params, rebuild, batch, settings: PipelineSettings, api: str, state):
+    """What depends on the call, checked: ``(program, schedule, layout)`` for the runtime
+    (the mesh's stage count, the batch's micro-batches, the model's layers)."""
+    size = ticks.stage_count(settings.axis, None, api)
+    sched = settings.schedule_on(size, api)
     check_microbatches(batch, sched.microbatches, api)
     prog = program(stages, params, rebuild, api, state=state)
-    layout = layout_for(prog.stacked[0].shape[0], sched, check_balance(balance, api), api,
-                        axis)
-    return prog, sched, layout, mode, policy
+    return prog, sched, settings.layout(prog.stacked[0].shape[0], sched, api)
 
 
 def _check_state_layers(prog, api: str) -> None:
@@ -116,7 +107,7 @@ def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,
         (rematerialise every micro-batch's forward, all but the last one's, or none), or a
         ``jax.checkpoint_policies`` name applied to every layer.
       balance: layers per virtual stage (torchgpipe's ``balance``) or a
-        ``px.pipeline.Plan`` from ``px.pipeline.partition``; default: an even split. Uneven
+        ``px.pipeline.Partition`` from ``px.pipeline.partition``; default: an even split. Uneven
         stages run padded to the largest with masked, skipped slots.
       batch_stats, rng: as for ``px.value_and_grad``, for an NNX module with
         non-parameter state (BatchNorm statistics, RNG streams, in the stacked layers or in
@@ -149,16 +140,9 @@ def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,
     if not isinstance(stages, Stages):
         raise TypeError(f"{API}: the loss must be a px.pipeline.Stages, got "
                         f"{type(stages).__name__}")
-    chunks = chunks_for(schedule, virtual_stages, API)
-    check_schedule_name(schedule, chunks, API)
-    check_remat(remat, API)
-    check_balance(balance, API)
-    if isinstance(schedule, Schedule):
-        microbatches = schedule.microbatches
-    elif microbatches is None:
-        raise TypeError(f"{API}: pass microbatches= (micro-batches per step) with a named "
-                        "schedule")
-    microbatches = check_count("microbatches", microbatches, API)
+    settings = PipelineSettings.of(
+        API, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+        split_backward=split_backward, axis=axis, remat=remat, balance=balance)
     options = StateOptions(batch_stats, rng)
 
     def fn(target, batch):
@@ -167,24 +151,17 @@ def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,
             module_state.check(parts, options, API)
             loss, grads, after = pipeline_grads(
                 stages, parts.params, module_state.rebuild_for(parts, options), batch,
-                schedule=schedule, microbatches=microbatches, virtual_stages=chunks,
-                split_backward=split_backward, axis=axis, remat=remat, balance=balance,
-                state=parts.state, run=module_state.run_for(options, WHOLE))
+                settings, state=parts.state, run=module_state.run_for(options, WHOLE))
             parts.write_back(target, after, None)
             return loss, grads
         params, rebuild = split_target(target)
-        return pipeline_grads(stages, params, rebuild, batch, schedule=schedule,
-                              microbatches=microbatches, virtual_stages=chunks,
-                              split_backward=split_backward, axis=axis, remat=remat,
-                              balance=balance)
+        return pipeline_grads(stages, params, rebuild, batch, settings)
 
     return fn
 
 
-def pipeline_update(stages: Stages, params, rebuild: Callable, batch, tx, opt_state, *,
-                    schedule="1f1b", microbatches: int, virtual_stages: int | None = None,
-                    split_backward: bool | None = None, axis: str = "stage",
-                    remat="except_last", balance=None, api: str = "px.pipeline.update",
+def pipeline_update(stages: Stages, params, rebuild: Callable, batch, tx, opt_state,
+                    settings: PipelineSettings, *, api: str = "px.pipeline.update",
                     trace: bool = False):
     """PipeDream's weight stashing: ``(loss, new_params, new_opt_state)`` after one step.
 
@@ -193,19 +170,17 @@ def pipeline_update(stages: Stages, params, rebuild: Callable, batch, tx, opt_st
     the parameters outside the stack take the micro-batches' updates at the end. The loss
     is the mean over micro-batches, each at the weights its forward saw.
     """
-    prog, sched, layout, mode, policy = _prepare(
-        stages, params, rebuild, batch, schedule, microbatches, virtual_stages, split_backward,
-        axis, remat, balance, api, None)
+    prog, sched, layout = _prepare(stages, params, rebuild, batch, settings, api, None)
     stacked_opt, stacked_state = part_optimizer(tx, prog.grads, "stacked", prog.stacked,
                                                 prog.others, opt_state, api)
     others_opt, others_state = (part_optimizer(tx, prog.grads, "others", prog.stacked,
                                                prog.others, opt_state, api)
                                 if prog.others else (None, []))
     versions = Versions(stacked_opt, stacked_state, others_opt, others_state)
-    with context.manual((axis,)):
+    with context.manual((settings.axis,)):
         loss, new_stacked, new_others, new_state, new_others_state, *codes = ticks.execute(
-            prog, sched, batch, axis=axis, remat=mode, policy=policy, api=api, trace=trace,
-            layout=layout, versions=versions)
+            prog, sched, batch, settings, api=api, trace=trace, layout=layout,
+            versions=versions)
     leaves = dict(zip(stacked_opt.paths, new_state))
     if others_opt is not None:
         leaves |= dict(zip(others_opt.paths, new_others_state))

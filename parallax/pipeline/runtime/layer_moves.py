@@ -6,7 +6,7 @@ The stacked parameters ``[L, ...]`` are stored contiguously over the stage axis 
 ``boundaries[k] .. boundaries[k + 1] - 1`` (in the sequential order), and the placement says
 where virtual stage ``k`` is. Even layouts give every virtual stage ``L / (S v)`` layers;
 uneven ones (a partition from ``px.pipeline.partition``, torchgpipe's ``balance``) give
-each as many as the plan says, and pad every chunk to the largest count with *masked*
+each as many as the partition says, and pad every chunk to the largest count with *masked*
 slots: a slot without a layer holds zeros and is skipped (``lax.cond``: it computes nothing
 and passes its input through), since an SPMD program has one shape on every stage.
 

@@ -1,8 +1,8 @@
 """The runtime's buffers: rings of slots and accumulators, carried by the tick loop.
 
-Every stage keeps rings of slots (``[rows, ...]``: the plan's ``capacity``, plus a spare
-row that takes the executed writes that go nowhere, such as an arrival when nothing was
-sent, in the rings that have them: :meth:`RuntimePlan.rows`) and accumulators:
+Every stage keeps rings of slots (``[rows, ...]``: the lowered table's ``capacity``, plus a
+spare row that takes the executed writes that go nowhere, such as an arrival when nothing
+was sent, in the rings that have them: :meth:`LoweredSchedule.rows`) and accumulators:
 
 ================  =============================================  ============================
 ``inbox``         ``[rows, *x]``                                 activations and gradients

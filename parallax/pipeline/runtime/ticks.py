@@ -3,10 +3,10 @@
 Inside a ``shard_map`` that is manual over the stage axis only (data axes are the caller's,
 tensor axes stay with GSPMD inside the stage bodies), every tick each stage
 
-1. stores what arrived into its inbox, at the slots the plan gives: what the previous stage
-   sent last tick, what the next stage sent, and what it kept for itself (the placement
-   says which channel each value takes; the loss's gradient comes by the last), or in the
-   inbox's spare row where nothing meant for it arrived;
+1. stores what arrived into its inbox, at the slots the lowered table gives: what the
+   previous stage sent last tick, what the next stage sent, and what it kept for itself (the
+   placement says which channel each value takes; the loss's gradient comes by the last), or
+   in the inbox's spare row where nothing meant for it arrived;
 2. reads its action from the table (indexed by ``axis_index``) and runs it in place: one
    guarded loop per kind, ``F``, ``B``, ``W`` (:mod:`parallax.pipeline.runtime.actions`),
    or ``BW`` where the schedule does not split the backward (its ``W`` runs inside its
@@ -20,7 +20,7 @@ tensor axes stay with GSPMD inside the stage bodies), every tick each stage
 3. sends its payload to both neighbours with one ``ppermute`` each (one when there are two
    stages, none with one), outside the guards, so the collectives are the same on every
    stage and every tick, and keeps it for itself. After an idle or ``W`` tick the payload
-   is the last one made again; the plan sends its arrivals to the spare rows.
+   is the last one made again; the table sends its arrivals to the spare rows.
 
 ``first`` runs inside the ``F`` of virtual stage 0; ``last`` and its gradient (the seed of the
 backward) inside the ``F`` of the last virtual stage; ``first``'s backward inside the ``B`` of
@@ -44,16 +44,21 @@ References:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from parallax.comm import nesting
-from parallax.pipeline.runtime import actions, layer_moves, rings, stage_state, stashed
+from parallax.pipeline.runtime import layer_moves, rings, stage_state, stashed
+from parallax.pipeline.runtime.actions import ACTIONS, Env
 from parallax.pipeline.runtime.chunk import Chunk, template
-from parallax.pipeline.runtime.plan import RUNTIME_CODES, RuntimePlan, runtime_plan
+from parallax.pipeline.runtime.guarded import guard
+from parallax.pipeline.runtime.lowering import RUNTIME_CODES, LoweredSchedule, lower_schedule
 from parallax.pipeline.schedules.table import Schedule
+from parallax.pipeline.settings import PipelineSettings
 from parallax.pipeline.stages import Program
 from parallax.comm.varying import to_varying, varying_axes
 
@@ -67,24 +72,28 @@ def caster(axes: frozenset):
     return vary
 
 
-def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, policy,
-            api: str, trace: bool = False, layout=None, plan: RuntimePlan | None = None,
+def execute(prog: Program, sched: Schedule, batch, settings: PipelineSettings, *, api: str,
+            trace: bool = False, layout=None, lowered: LoweredSchedule | None = None,
             table: dict | None = None, versions: stashed.Versions | None = None,
             run: stage_state.StateRun | None = None):
     """Runs ``sched`` on ``prog``: the mean loss over micro-batches and its gradients.
 
-    Must be called where the mesh (``jax.sharding.get_abstract_mesh()``) has ``axis`` of
-    size ``sched.stages`` and ``axis`` is not yet manual; the parameters' stacked layer axis
-    should be sharded over ``axis`` (it is resharded otherwise).
+    Must be called where the mesh (``jax.sharding.get_abstract_mesh()``) has
+    ``settings.axis`` of size ``sched.stages`` and that axis is not yet manual; the
+    parameters' stacked layer axis should be sharded over it (it is resharded otherwise).
 
     Args:
+      settings: the pipeline's checked settings (:class:`PipelineSettings`): the mesh axis,
+        the rematerialisation mode and the checkpoint policy are read here.
+      api: the entry point named in errors.
       layout: a :class:`parallax.pipeline.runtime.layer_moves.Layout` (which stored layers
         each chunk runs); default: the even split for the schedule's placement.
-      plan: the :class:`RuntimePlan` (default: ``runtime_plan(sched, remat)``); with
-        ``table``, only its static parts (capacities, mixed flags) are read.
-      table: the per-tick arrays to scan (``plan.table()``), possibly traced: a program
-        compiled for a widened plan (:func:`parallax.pipeline.runtime.plan.widen`) runs
-        any table of that shape.
+      lowered: the :class:`LoweredSchedule` (default: ``lower_schedule(sched,
+        settings.remat_mode)``); with ``table``, only its static parts (capacities, mixed
+        flags) are read.
+      table: the per-tick arrays to scan (``lowered.table()``), possibly traced: a program
+        compiled for a widened table (:func:`parallax.pipeline.runtime.lowering.widen`)
+        runs any table of that shape.
       versions: ``weights="stashed"``: the optimizer and its state
         (:mod:`parallax.pipeline.runtime.stashed`); the step then updates the weights.
       run: how the module's non-parameter state (``prog.stacked_state``,
@@ -97,15 +106,16 @@ def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, pol
       ``[ticks, stages]`` when ``trace`` (what each stage ran at each tick, from its guarded
       loops' trip counts: 0 idle, 1 F, 2 B, 3 W).
     """
+    axis, M = settings.axis, sched.microbatches
     nesting.check({axis}, api, nesting.PIPELINE_FIX)
-    M = sched.microbatches
     module = (stage_state.encode(prog.stacked_state), stage_state.encode(prog.others_state))
     run = run if run is not None and any(module) else None
     if run is not None:
         stage_state.check_order(sched, api)
-    plan = plan or runtime_plan(sched, remat, versions=versions is not None,
-                                snapshots=run is not None and run.threaded)
-    table = plan.table() if table is None else table
+    lowered = lowered or lower_schedule(sched, settings.remat_mode,
+                                        versions=versions is not None,
+                                        snapshots=run is not None and run.threaded)
+    table = lowered.table() if table is None else table
     layout = layout or layer_moves.Layout.even(prog.stacked[0].shape[0], sched.placement)
     micro = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
     outer = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(
@@ -134,10 +144,13 @@ def execute(prog: Program, sched: Schedule, batch, *, axis: str, remat: str, pol
         if versions is not None:
             opt = [vary(layer_moves.to_chunks(x, axis, layout)) if m else vary(x)
                    for x, m in zip(stacked_state, versions.stacked.mirrors)]
-        loss, d_stacked, d_others, *rest = _ticks(
-            prog, plan, table, sched, stacked, others, micro, axis=axis, vary=vary,
-            policy=policy, api=api, trace=trace, mask=layout.mask, versions=versions,
-            opt=opt, carried=carried)
+        # [v, slots]: which of this stage's slots hold a layer (uneven layouts pad with masks)
+        mask = None if layout.mask is None else jnp.asarray(layout.mask)[lax.axis_index(axis)]
+        chunk, x_like = _chunk(prog, stacked, others, micro, carried, vary, settings.policy,
+                               api)
+        env = Env(lowered, prog, chunk, stacked, others, micro, mask, vary,
+                  versions.stacked if versions is not None else None, carried)
+        loss, d_stacked, d_others, *rest = _ticks(env, x_like, table, opt, axis, trace)
         d_stacked = [layer_moves.from_chunks(g, axis, layout) for g in d_stacked]
         if run is not None:
             (s_new, o_new), *rest = rest
@@ -188,33 +201,37 @@ def leading(micro) -> int:
     return int(leaves[0].shape[1]) if leaves and leaves[0].ndim > 1 else 1
 
 
-def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axis, vary,
-           policy, api, trace, mask=None, versions=None, opt=None, carried=None):
-    S, M = sched.stages, sched.microbatches
-    s = lax.axis_index(axis)
+def _chunk(prog: Program, stacked, others, micro, carried, vary, policy, api: str):
+    """``(chunk, x_like)``: the :class:`Chunk` that runs this stage's layers, built from one
+    template trace of a layer on the first micro-batch's shapes, and that activation."""
     pick = lambda tree, i: jax.tree.map(  # noqa: E731
         lambda b: lax.dynamic_index_in_dim(b, i, keepdims=False), tree)
-    carrier, s_live, o_live = carried[:3] if carried else (None, [], [])
-    o_in = carrier.others_in(o_live, 0) if carrier else []
+    carrier = carried.carrier if carried is not None else None
+    o_in = carrier.others_in(carried.others, 0) if carrier else []
     x_like = prog.first(others, o_in, pick(micro, 0))[0]  # shapes only; XLA drops it
-    one = ([x[0] for x in carrier.layer_in([x[0] for x in s_live], 0)] if carrier else [])
+    one = ([x[0] for x in carrier.layer_in([x[0] for x in carried.stacked], 0)]
+           if carrier else [])
     tmpl = template(prog.layer, [pick(p, 0)[0] for p in stacked], x_like, vary, policy, api,
                     one)
-    chunk = Chunk(prog.layer, tmpl, vary, policy)
-    # [v, slots]: which of this stage's slots hold a layer (uneven layouts pad with masks)
-    slot_mask = None if mask is None else jnp.asarray(mask)[s]
-    keep = versions is not None  # weights="stashed"
-    threaded = carrier is not None and carrier.threaded
-    slots = rings.slot_shapes(x_like, tmpl, stacked[0].shape[1], stacked, keep, s_live,
-                              o_live, threaded)
-    rows = {name: plan.rows(name) for name in rings.RINGS}
-    state = rings.initial_state(rows, slots, stacked, others, vary, s, M if keep else None)
+    return Chunk(prog.layer, tmpl, vary, policy), x_like
+
+
+def _ticks(env: Env, x_like, table, opt, axis: str, trace: bool):
+    """One stage's scan over the ticks of ``table``, inside the ``shard_map``."""
+    vary, carrier = env.vary, env.carrier
+    S, M = env.lowered.kind.shape[1], jax.tree.leaves(env.micro)[0].shape[0]
+    s = lax.axis_index(axis)
+    s_live, o_live = (env.carried.stacked, env.carried.others) if carrier else ([], [])
+    keep = env.versions  # weights="stashed"
+    slots = rings.slot_shapes(x_like, env.chunk.tmpl, env.stacked[0].shape[1], env.stacked,
+                              keep, s_live, o_live, env.threaded)
+    rows = {name: env.lowered.rows(name) for name in rings.RINGS}
+    state = rings.initial_state(rows, slots, env.stacked, env.others, vary, s,
+                                M if keep else None)
     if keep:
-        state["live"], state["opt"] = list(stacked), list(opt)
+        state["live"], state["opt"] = list(env.stacked), list(opt)
     if carrier is not None:
-        state |= stage_state.initial(s_live, o_live, threaded, vary)
-    bodies = actions.actions(plan, prog, chunk, stacked, others, micro, slot_mask, vary,
-                             versions.stacked if keep else None, carried)
+        state |= stage_state.initial(s_live, o_live, env.threaded, vary)
     up = [(i, (i + 1) % S) for i in range(S)]
     down = [(i, (i - 1) % S) for i in range(S)]
 
@@ -224,17 +241,17 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
         state = dict(state)
         # 1. what arrived goes to its inbox slot (or to the spare row): from the previous
         #    stage, the next, and what this stage kept (its payload, unchanged by an idle or
-        #    W tick, whose arrival the plan sends to the spare row)
+        #    W tick, whose arrival the table sends to the spare row)
         for channel, value in (("up", from_below), ("down", from_above),
                                ("local", state["payload"])):
             state["inbox"] = rings.write(state["inbox"], cell[f"arrive_{channel}"], value)
         # 2. the action, in place: one guarded loop per kind, of which at most one runs
         code = vary(jnp.int32(0))
-        for kind in ("F", "B", "W", "BW"):
-            if kind not in plan.kinds:  # no cell runs it (BW: the backward is split; W: not)
+        for kind, action in ACTIONS.items():
+            if kind not in env.lowered.kinds:  # no cell runs it (BW: split; W: not split)
                 continue
-            trips, state = actions.guard(kind, cell["kind"] == RUNTIME_CODES[kind],
-                                         bodies[kind], state, vary, cell)
+            trips, state = guard(kind, cell["kind"] == RUNTIME_CODES[kind],
+                                 functools.partial(action, env), state, vary, cell)
             code = code + RUNTIME_CODES[kind] * trips
         # 3. send, the same collectives on every stage and every tick
         payload = state["payload"]
@@ -249,14 +266,14 @@ def _ticks(prog, plan: RuntimePlan, table, sched, stacked, others, micro, *, axi
     x0 = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), slots["inbox"])
     (state, *_), codes = lax.scan(tick, (state, x0, x0), table)
     loss = lax.psum(state["loss"], axis) / M
-    d_others = [lax.psum(g, axis).astype(o.dtype) for g, o in zip(state["d_others"], others)]
+    d_others = [lax.psum(g, axis).astype(o.dtype) for g, o in zip(state["d_others"], env.others)]
     if keep:  # the new weights instead of gradients, and the optimizer's new state
         out = (loss, state["live"], d_others, state["opt"])
     else:
-        d_stacked = [g.astype(p.dtype) for g, p in zip(state["d_stacked"], stacked)]
+        d_stacked = [g.astype(p.dtype) for g, p in zip(state["d_stacked"], env.stacked)]
         out = (loss, d_stacked, d_others)
     if carrier is not None:
-        out += (stage_state.finish(state, carried, axis),)
+        out += (stage_state.finish(state, env.carried, axis),)
     return out + ((codes[:, None],) if trace else ())
 
 

@@ -21,11 +21,10 @@ The tick model (an SPMD lock-step runtime, see ``docs/pipeline.md``):
 * Which virtual stage each (stage, chunk) runs is the schedule's :class:`Placement`:
   looped (Megatron) or V-shaped (ZB-V, DualPipeV).
 
-Modules: ``action`` (one cell), ``placement``, ``rules`` (the dependencies, validation and
-as-early-as-possible placement of orders), ``table`` (:class:`Schedule`), ``timeline`` (the papers'
-asynchronous replay and bubble), ``slots`` (the
-arrays and buffer plan a runtime reads), ``named`` and ``zero_bubble`` (the named
-schedules), ``charts`` (ASCII and matplotlib Gantt charts).
+Modules: ``action`` (one cell), ``placement``, ``dependencies`` (which actions must run
+before which, validation and as-early-as-possible placement of orders), ``table``
+(:class:`Schedule`), ``timeline`` (the papers' asynchronous replay and bubble), ``slots`` (the arrays and buffer plan a runtime reads), ``named`` and
+``zero_bubble`` (the named schedules), ``charts`` (ASCII and matplotlib Gantt charts).
 """
 
 from parallax.pipeline.schedules.action import Action as Action

@@ -107,9 +107,9 @@ def schedule(
     """
     if name not in SCHEDULES:
         raise ValueError(f"schedule: unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    stages = check_count("stages", stages)
-    microbatches = check_count("microbatches", microbatches)
-    virtual_stages = check_count("virtual_stages", default_virtual_stages(name)
+    stages = check_positive_int("stages", stages)
+    microbatches = check_positive_int("microbatches", microbatches)
+    virtual_stages = check_positive_int("virtual_stages", default_virtual_stages(name)
                             if virtual_stages is None else virtual_stages)
     check_chunks(name, virtual_stages)
     zero = name in ZERO_BUBBLE
@@ -226,7 +226,7 @@ def _backward(m: int, chunk: int = 0) -> list[Action]:
     return [Action("B", m, chunk), Action("W", m, chunk)]
 
 
-def check_count(field: str, value, api: str = "schedule") -> int:
+def check_positive_int(field: str, value, api: str = "schedule") -> int:
     """A positive int, or ``TypeError`` / ``ValueError`` naming the API and the field."""
     if isinstance(value, bool):
         raise TypeError(f"{api}: {field} must be an int, got {value!r}")

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from parallax.pipeline.schedules import charts, rules, slots, timeline
+from parallax.pipeline.schedules import charts, dependencies, slots, timeline
 from parallax.pipeline.schedules.action import Action
 from parallax.pipeline.schedules.action import costs as _costs
 from parallax.pipeline.schedules.action import parse_cell as _action
@@ -123,7 +123,7 @@ class Schedule:
         parsed = [_parse_order(order, s) for s, order in enumerate(orders)]
         microbatches, virtual_stages = _sizes(parsed, microbatches, virtual_stages)
         placement = _placement(placement, len(parsed), virtual_stages)
-        table = rules.place(parsed, microbatches, placement, split_backward)
+        table = dependencies.place(parsed, microbatches, placement, split_backward)
         return cls(name, len(parsed), microbatches, virtual_stages, split_backward, table,
                    placement)
 
@@ -177,7 +177,7 @@ class Schedule:
         when not split); values sent at tick ``t`` arrive at ``t + 1``. A cell holds at most
         one action, so a stage runs at most one action per tick.
         """
-        rules.check(self)
+        dependencies.check(self)
 
     # -- queries ------------------------------------------------------------------------
 

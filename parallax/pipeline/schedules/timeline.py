@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from parallax.pipeline.schedules import rules
+from parallax.pipeline.schedules import dependencies
 from parallax.pipeline.schedules.action import Action
 from parallax.pipeline.schedules.action import costs as _costs
 
@@ -71,7 +71,7 @@ def replay(schedule, f: float = 1, b: float = 1, w: float = 1) -> tuple[tuple[Sp
         for s, a in enumerate(row):
             if a is None:
                 continue
-            needs = rules.requirements(a, s, schedule.placement, schedule.split_backward)
+            needs = dependencies.requirements(a, s, schedule.placement, schedule.split_backward)
             start = max([free[s], *(end[need, ns] for need, ns, _ in needs)])
             end[a, s] = free[s] = start + cost[a.kind]
             spans[s].append(Span(a, start, start + cost[a.kind]))

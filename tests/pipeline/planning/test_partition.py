@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from parallax.pipeline import METHODS, LayerProfile, Plan, partition
+from parallax.pipeline import METHODS, LayerProfile, Partition, partition
 
 
 def all_splits(n, stages):
@@ -41,16 +41,16 @@ def records(times, params, acts):
 
 def test_balance_by_time_agrees_with_brute_force():
     for n, stages, times, _ in random_cases(200, seed=0):
-        plan = partition(times, stages, "balance_by_time")
-        assert plan.bottleneck == pytest.approx(
+        split = partition(times, stages, "balance_by_time")
+        assert split.bottleneck == pytest.approx(
             brute_force(n, stages, lambda a, b: sum(times[a:b]))
         )
         assert (
-            plan.boundaries[0] == 0
-            and plan.boundaries[-1] == n
-            and len(plan.boundaries) == stages + 1
+            split.boundaries[0] == 0
+            and split.boundaries[-1] == n
+            and len(split.boundaries) == stages + 1
         )
-        assert plan.costs == plan.compute and sum(plan.compute) == pytest.approx(sum(times))
+        assert split.costs == split.compute and sum(split.compute) == pytest.approx(sum(times))
 
 
 def test_balance_by_size_agrees_with_brute_force():
@@ -58,11 +58,12 @@ def test_balance_by_size_agrees_with_brute_force():
         params = [rng.randint(0, 1000) for _ in range(n)]
         acts = [rng.randint(1, 500) for _ in range(n)]
         size = [3.0 * p + a for p, a in zip(params, acts)]
-        plan = partition(records(times, params, acts), stages, "balance_by_size", param_scale=3.0)
-        assert plan.bottleneck == pytest.approx(brute_force(n, stages, lambda a, b: sum(size[a:b])))
+        split = partition(records(times, params, acts), stages, "balance_by_size",
+                          param_scale=3.0)
+        assert split.bottleneck == pytest.approx(brute_force(n, stages, lambda a, b: sum(size[a:b])))
         # plain numbers are the sizes themselves
         assert partition(size, stages, "balance_by_size").bottleneck == pytest.approx(
-            plan.bottleneck
+            split.bottleneck
         )
 
 
@@ -77,14 +78,14 @@ def test_pipedream_agrees_with_brute_force_and_beats_the_balancers(overlap):
             compute, comm = sum(times[a:b]), acts[b - 1] / bandwidth if b < n else 0.0
             return max(compute, comm) if overlap else compute + comm
 
-        plan = partition(layers, stages, "pipedream", bandwidth=bandwidth, overlap=overlap)
-        assert plan.bottleneck == pytest.approx(brute_force(n, stages, cost))
+        split = partition(layers, stages, "pipedream", bandwidth=bandwidth, overlap=overlap)
+        assert split.bottleneck == pytest.approx(brute_force(n, stages, cost))
         for method in ("uniform", "balance_by_time", "balance_by_size"):
             other = partition(layers, stages, method, bandwidth=bandwidth, overlap=overlap)
-            evaluated = Plan.from_boundaries(
+            evaluated = Partition.from_boundaries(
                 layers, other.boundaries, bandwidth=bandwidth, overlap=overlap
             )
-            assert plan.bottleneck <= evaluated.bottleneck + 1e-12
+            assert split.bottleneck <= evaluated.bottleneck + 1e-12
             if method != "balance_by_size":  # the time methods report communication too
                 assert other.costs == pytest.approx(evaluated.costs)
 
@@ -101,14 +102,14 @@ def test_pipedream_avoids_cutting_at_a_large_activation():
 
 
 def test_uniform_and_plan_properties():
-    plan = partition([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4, "uniform")
-    assert plan.layers_per_stage == (3, 3, 2, 2)
-    assert plan.boundaries == (0, 3, 6, 8, 10)
-    assert plan.costs == (6.0, 15.0, 15.0, 19.0)
-    assert plan.slowest == 3 and plan.bottleneck == 19.0
-    assert plan.imbalance == pytest.approx(19.0 / (55.0 / 4))
-    assert list(plan.layers(1)) == [3, 4, 5]
-    assert plan.text().splitlines()[:2] == [
+    split = partition([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4, "uniform")
+    assert split.layers_per_stage == (3, 3, 2, 2)
+    assert split.boundaries == (0, 3, 6, 8, 10)
+    assert split.costs == (6.0, 15.0, 15.0, 19.0)
+    assert split.slowest == 3 and split.bottleneck == 19.0
+    assert split.imbalance == pytest.approx(19.0 / (55.0 / 4))
+    assert list(split.layers(1)) == [3, 4, 5]
+    assert split.text().splitlines()[:2] == [
         "uniform: 4 stages, bottleneck 19 (stage 3), imbalance 1.382",
         "stage 0: layers 0-2 (3), compute 6, comm 0, cost 6",
     ]
@@ -167,12 +168,12 @@ def test_bad_input(args, kwargs, error, message):
 
 
 def test_from_boundaries_checks_them():
-    assert Plan.from_boundaries([1.0, 2.0, 3.0], (0, 2, 3)).costs == (3.0, 3.0)
+    assert Partition.from_boundaries([1.0, 2.0, 3.0], (0, 2, 3)).costs == (3.0, 3.0)
     with pytest.raises(
         ValueError,
         match=r"boundaries \(0, 2, 2, 3\) must rise strictly from 0 to the number of layers \(3\)",
     ):
-        Plan.from_boundaries([1.0, 2.0, 3.0], (0, 2, 2, 3))
+        Partition.from_boundaries([1.0, 2.0, 3.0], (0, 2, 2, 3))
 
 
 def test_docstring_examples_run():

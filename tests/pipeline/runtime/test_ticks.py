@@ -9,7 +9,8 @@ import pytest
 
 from parallax import pipeline as pp
 from parallax.pipeline.runtime.gradients import pipeline_grads
-from parallax.pipeline.runtime.plan import runtime_plan, widen
+from parallax.pipeline.runtime.lowering import lower_schedule, widen
+from parallax.pipeline.settings import PipelineSettings
 from parallax.testing import relative_difference
 
 from ..runtime_testing import (D, TOY, compiled, family, guard_dots, pipelined, reference,
@@ -59,10 +60,10 @@ def test_an_unsplit_backward_runs_its_w_in_its_b_tick():
     no use gradients and holds each stash slot one tick less."""
     for name in ("1f1b", "gpipe"):
         fused, split = pp.schedule(name, 4, 8), pp.schedule(name, 4, 8, split_backward=True)
-        plan = runtime_plan(fused)
-        np.testing.assert_array_equal(plan.kind, ran(fused))
-        assert plan.kinds == {"F", "BW"} and runtime_plan(split).kinds == {"F", "B", "W"}
-        assert plan.capacity["uses"] == 0 < runtime_plan(split).capacity["uses"]
+        lowered = lower_schedule(fused)
+        np.testing.assert_array_equal(lowered.kind, ran(fused))
+        assert lowered.kinds == {"F", "BW"} and lower_schedule(split).kinds == {"F", "B", "W"}
+        assert lowered.capacity["uses"] == 0 < lower_schedule(split).capacity["uses"]
 
 
 @pytest.mark.parametrize("name,p,m", [("1f1b", 4, 8), ("interleaved_1f1b", 2, 4)])
@@ -80,8 +81,9 @@ def test_a_custom_schedule_runs_as_drawn():
     params, batch = toy_params(2), toy_batch()
 
     def run(params, batch):
-        return pipeline_grads(TOY, params, lambda p: p, batch, schedule=sched,
-                                      microbatches=2, remat="never", trace=True)
+        return pipeline_grads(TOY, params, lambda p: p, batch,
+                              PipelineSettings.of("test", microbatches=2, schedule=sched,
+                                                  remat="never"), trace=True)
 
     with jax.set_mesh(stage_mesh(2)):
         loss, grads, codes = jax.jit(run)(params, batch)
@@ -185,7 +187,7 @@ def test_nnx_modules_and_pytree_activations():
     assert relative_difference(grads, ref_grads) <= 1e-6
 
 
-# -- the plan and the interleaved layer order ---------------------------------------------
+# -- the lowered schedule and the interleaved layer order ----------------------------------
 
 
 @pytest.mark.parametrize("sched", [pp.schedule("gpipe", 3, 5), pp.schedule("1f1b", 4, 8),
@@ -194,55 +196,56 @@ def test_without_remat_the_stash_slots_are_the_schedules_stash(sched):
     """The runtime's stash is the schedule's: the same slots where the backward is split;
     where it is not, each B runs its W and frees its slot a tick earlier, so every slot is
     held from F to B and the runtime needs no more slots than the schedule."""
-    plan, arrays = runtime_plan(sched, "never"), sched.as_arrays()
-    assert plan.capacity["inputs"] == 0
+    lowered, arrays = lower_schedule(sched, "never"), sched.as_arrays()
+    assert lowered.capacity["inputs"] == 0
     if sched.split_backward:
         active = arrays.kind > 0
-        np.testing.assert_array_equal(plan.slots["stash"][active], arrays.stash[active])
-        assert plan.capacity["stash"] == arrays.stash_capacity.max()
+        np.testing.assert_array_equal(lowered.slots["stash"][active], arrays.stash[active])
+        assert lowered.capacity["stash"] == arrays.stash_capacity.max()
         return
-    assert plan.capacity["stash"] <= arrays.stash_capacity.max()
+    assert lowered.capacity["stash"] <= arrays.stash_capacity.max()
     held = {}  # (stage, chunk, micro-batch) -> the slot its F wrote
-    for t, s in zip(*np.nonzero(plan.kind)):
-        key = (s, plan.chunk[t, s], plan.microbatch[t, s])
-        if plan.kind[t, s] == 1:
-            assert key not in held and 0 <= plan.slots["stash"][t, s] < plan.capacity["stash"]
-            assert plan.slots["stash"][t, s] not in {v for k, v in held.items() if k[0] == s}
-            held[key] = plan.slots["stash"][t, s]
+    for t, s in zip(*np.nonzero(lowered.kind)):
+        key = (s, lowered.chunk[t, s], lowered.microbatch[t, s])
+        if lowered.kind[t, s] == 1:
+            slot = lowered.slots["stash"][t, s]
+            assert key not in held and 0 <= slot < lowered.capacity["stash"]
+            assert lowered.slots["stash"][t, s] not in {v for k, v in held.items() if k[0] == s}
+            held[key] = lowered.slots["stash"][t, s]
         else:  # BW: reads the slot its F wrote, and frees it
-            assert plan.slots["stash"][t, s] == held.pop(key)
+            assert lowered.slots["stash"][t, s] == held.pop(key)
     assert not held
 
 
 def test_remat_moves_the_stash_into_the_input_ring():
     sched = pp.schedule("gpipe", 2, 4)
-    caps = {r: runtime_plan(sched, r).capacity for r in ("never", "except_last", "always")}
+    caps = {r: lower_schedule(sched, r).capacity for r in ("never", "except_last", "always")}
     assert [caps[r]["stash"] for r in caps] == [4, 2, 1]
     assert [caps[r]["inputs"] for r in caps] == [0, 3, 4]
     assert {c["uses"] for c in caps.values()} == {0}  # W runs inside its B: nothing kept
     split = pp.schedule("gpipe", 2, 4, split_backward=True)
-    assert runtime_plan(split, "always").capacity["uses"] >= 1  # B's use gradients for W
+    assert lower_schedule(split, "always").capacity["uses"] >= 1  # B's use gradients for W
 
 
 def test_zero_bubble_schedules_keep_use_gradients_until_their_w():
     # ZB-H2 defers the last 2s weight gradients of stage s: their use gradients wait
-    assert runtime_plan(pp.schedule("zb_h2", 4, 8)).capacity["uses"] == 7
+    assert lower_schedule(pp.schedule("zb_h2", 4, 8)).capacity["uses"] == 7
 
 
 def test_only_rings_an_executed_write_can_miss_keep_a_spare_row():
     # every ring is zeroed when the step starts: a spare row nobody writes is zeroed bytes
     sched = pp.schedule("gpipe", 4, 8)
-    never, mixed = runtime_plan(sched), runtime_plan(sched, "except_last")
+    never, mixed = lower_schedule(sched), lower_schedule(sched, "except_last")
     assert never.spares == {"inbox"} and never.rows("stash") == never.capacity["stash"] == 8
     assert never.rows("uses") == never.rows("inputs") == 0  # no split, no rematerialisation
     # only some forwards rematerialised: each F writes its stash or its input, not both
     assert mixed.spares == {"inbox", "stash", "inputs"}
     assert mixed.rows("stash") == mixed.capacity["stash"] + 1
-    assert runtime_plan(sched, "always").spares == {"inbox"}
+    assert lower_schedule(sched, "always").spares == {"inbox"}
     widened = widen([never, mixed])
     assert all(w.spares == mixed.spares for w in widened)
-    # widened, plans that each remat all or none of their forwards mix them: F writes both
-    widened = widen([never, runtime_plan(sched, "always")])
+    # widened, tables that each remat all or none of their forwards mix them: F writes both
+    widened = widen([never, lower_schedule(sched, "always")])
     assert all(w.spares == {"inbox", "stash", "inputs"} for w in widened)
 
 
@@ -268,7 +271,7 @@ def test_the_tick_loop_copies_no_ring(remat):
     lines = [line for body in blocks.values() for line in body]
     copies = [elements(line) for line in lines if re.search(r"\scopy\(", line)]
     # [slots, layers, rows, D]
-    ring = runtime_plan(sched, remat).rows("stash") * 2 * 4 * D
+    ring = lower_schedule(sched, remat).rows("stash") * 2 * 4 * D
     # the size is right: the program makes a buffer of exactly the ring's size
     assert any(elements(line) == ring for line in lines if re.search(r"=\s*f32\[", line))
     assert copies and max(copies) < ring

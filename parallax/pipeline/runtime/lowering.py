@@ -1,4 +1,4 @@
-"""What the SPMD runtime executes: a schedule's arrays, per-cell flags and its buffer slots.
+"""A schedule lowered to what the SPMD runtime executes: per-cell codes, flags and ring slots.
 
 :meth:`Schedule.as_arrays` gives the actions and the inbox (what arrives from another
 virtual stage, by the channel the placement says: from the previous stage, from the next,
@@ -41,19 +41,17 @@ from typing import NamedTuple
 
 import numpy as np
 
+from parallax.pipeline.runtime.rings import RINGS
 from parallax.pipeline.schedules.action import KIND_CODES, Action
 from parallax.pipeline.schedules.slots import CHANNELS, _assign, schedule_arrays
 from parallax.pipeline.schedules.table import Schedule
 
-RINGS = ("stash", "inputs", "uses")  # and the inbox, planned by the schedule's arrays
-VERSIONS = "versions"  # weights="stashed": the weight version each micro-batch's F used
-SNAPSHOTS = "snapshots"  # threaded module state: the state each micro-batch's F started from
 # The runtime's action codes: the schedule's (0 idle, F 1, B 2, W 3), and a backward that
 # runs its W too (``split_backward=False``: the table's W follows its B in the next tick).
 RUNTIME_CODES = {**KIND_CODES, "BW": 4}
 
 
-class RuntimePlan(NamedTuple):
+class LoweredSchedule(NamedTuple):
     """Per-tick, per-stage indices the runtime reads (int32 ``[ticks, stages]``, -1 = none)."""
 
     kind: np.ndarray  # the guard that runs (RUNTIME_CODES): 0 idle, F 1, B 2, W 3, BW 4
@@ -76,7 +74,7 @@ class RuntimePlan(NamedTuple):
         arrivals (the inbox), and where ``mixed`` says only some forwards are
         rematerialised, every F's write to the stash and to the inputs (the runtime then
         writes both, one of them to the spare row: ``actions.forward``). Derived from
-        ``mixed``, as the runtime's writes are, so a widened plan has what it runs."""
+        ``mixed``, as the runtime's writes are, so a widened table has what it runs."""
         remat_mixed = all(self.mixed["F", "remat"])
         return frozenset({"inbox"} | ({"stash", "inputs"} if remat_mixed else set()))
 
@@ -98,16 +96,16 @@ class RuntimePlan(NamedTuple):
         return table | {f"arrive_{name}": slot for name, slot in self.arrive.items()}
 
 
-def widen(plans) -> list[RuntimePlan]:
-    """Plans of one size (stages, chunks, micro-batches) padded to one shape: the most ticks
-    (idle ticks at the end) and the largest capacity of every ring, with every flag mixed
-    that any of them mixes. One compiled program then runs any of their tables, passed as
-    arguments."""
-    ticks = max(p.kind.shape[0] for p in plans)
-    capacity = {name: max(p.capacity[name] for p in plans) for name in plans[0].capacity}
-    mixed = {key: tuple(any(p.mixed[key][i] for p in plans) for i in (0, 1))
-             for key in plans[0].mixed}
-    kinds = frozenset().union(*(p.kinds for p in plans))
+def widen(lowered) -> list[LoweredSchedule]:
+    """Lowered schedules of one size (stages, chunks, micro-batches) padded to one shape: the
+    most ticks (idle ticks at the end) and the largest capacity of every ring, with every
+    flag mixed that any of them mixes. One compiled program then runs any of their tables,
+    passed as arguments."""
+    ticks = max(p.kind.shape[0] for p in lowered)
+    capacity = {name: max(p.capacity[name] for p in lowered) for name in lowered[0].capacity}
+    mixed = {key: tuple(any(p.mixed[key][i] for p in lowered) for i in (0, 1))
+             for key in lowered[0].mixed}
+    kinds = frozenset().union(*(p.kinds for p in lowered))
 
     def pad(a, fill):
         return np.concatenate([a, np.full((ticks - a.shape[0], a.shape[1]), fill, a.dtype)])
@@ -116,7 +114,7 @@ def widen(plans) -> list[RuntimePlan]:
         return pad(np.where(a == old, new, a), new)
 
     out = []
-    for p in plans:
+    for p in lowered:
         inbox_old = p.capacity["inbox"]
         out.append(p._replace(
             **{name: pad(getattr(p, name), 0) for name in (
@@ -142,25 +140,25 @@ def remat_flags(remat: str, microbatches: int) -> list[bool]:
     return [False] * microbatches
 
 
-def runtime_plan(schedule: Schedule, remat: str = "never",
-                 versions: bool = False, snapshots: bool = False) -> RuntimePlan:
-    """The runtime's plan for ``schedule`` with the torchgpipe option ``remat``.
+def lower_schedule(schedule: Schedule, remat: str = "never",
+                   versions: bool = False, snapshots: bool = False) -> LoweredSchedule:
+    """``schedule`` lowered for the runtime, with the torchgpipe option ``remat``.
 
     Args:
       schedule: a validated :class:`Schedule`.
       remat: ``"always"``, ``"except_last"``, ``"never"`` or a checkpoint policy name (the
-        latter plans like ``"never"``).
-      versions: plan the ``versions`` ring too (``weights="stashed"``).
-      snapshots: plan the ``snapshots`` ring too (module state threaded through the
+        latter lowers like ``"never"``).
+      versions: assign the ``versions`` ring's slots too (``weights="stashed"``).
+      snapshots: assign the ``snapshots`` ring's slots too (module state threaded through the
         micro-batches).
 
     Returns:
-      A :class:`RuntimePlan`.
+      A :class:`LoweredSchedule`.
 
     Example:
       >>> from parallax.pipeline import schedule
-      >>> plan = runtime_plan(schedule("1f1b", 2, 4), remat="always")
-      >>> plan.capacity["inputs"], plan.capacity["stash"]
+      >>> lowered = lower_schedule(schedule("1f1b", 2, 4), remat="always")
+      >>> lowered.capacity["inputs"], lowered.capacity["stash"]
       (2, 1)
     """
     arrays = schedule_arrays(schedule, local_seeds=True)
@@ -168,10 +166,10 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
     split = schedule.split_backward
     rematted = remat_flags(remat, M)
     tick = schedule.tick_of
-    slots = {name: np.full((T, S), -1, np.int32) for name in RINGS}
-    written = {name: np.zeros((T, S), bool) for name in RINGS}
     capacity = {}
-    rings = RINGS + ((VERSIONS,) if versions else ()) + ((SNAPSHOTS,) if snapshots else ())
+    # the rings whose slots are assigned here (the inbox's come with the schedule's arrays)
+    wanted = {"inbox": False, "versions": versions, "snapshots": snapshots}
+    rings = [name for name in RINGS if wanted.get(name, True)]
     slots = {name: np.full((T, S), -1, np.int32) for name in rings}
     written = {name: np.zeros((T, S), bool) for name in rings}
     for name in rings:
@@ -188,8 +186,8 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
                         "stash": after if r else (f, *after),
                         "inputs": (f, b) if r else None,
                         "uses": (b, w) if split else None,
-                        VERSIONS: (f, *after),
-                        SNAPSHOTS: (f, b),
+                        "versions": (f, *after),
+                        "snapshots": (f, b),
                     }[name]
                     if uses is not None:
                         spans.append((uses[0], uses[-1], uses))
@@ -202,7 +200,7 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         capacity[name] = max(per_stage, default=0)
     capacity["inbox"] = int(arrays.inbox_capacity.max(initial=0))
     # ``capacity`` is the spare row: a write that goes nowhere goes there (an unexecuted
-    # one, or in a ring with a spare row, ``RuntimePlan.spares``, an executed one).
+    # one, or in a ring with a spare row, ``LoweredSchedule.spares``, an executed one).
     writes = {name: np.where(written[name], slots[name], capacity[name]).astype(np.int32)
               for name in rings}
     arrive = {channel: np.where(a >= 0, a, capacity["inbox"]).astype(np.int32)
@@ -227,7 +225,7 @@ def runtime_plan(schedule: Schedule, remat: str = "never",
         cells = kind == RUNTIME_CODES[kind_name]
         for name, flag in flags.items():
             mixed[kind_name, name] = (bool(flag[cells].any()), bool((~flag[cells]).any()))
-    return RuntimePlan(
+    return LoweredSchedule(
         kind=kind,
         **{name: flag.astype(np.int32) for name, flag in flags.items()},
         microbatch=microbatch,

@@ -50,6 +50,7 @@ MOVED = {
     "parallax.analysis.roofline": "parallax.planner.roofline",
     "parallax.analysis.setting": "parallax.planner.setting",
     "parallax.pipeline.runtime.executed": "parallax.analysis.executed",
+    "parallax.pipeline.schedules.rules": "parallax.pipeline.schedules.dependencies",
 }
 
 

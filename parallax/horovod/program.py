@@ -14,6 +14,16 @@ Arguments may be process-local (numpy, arrays on this process's devices: each pr
 passes its copy of the replicated arguments and *its own rows* of the batch) or the global
 arrays a previous call returned. Results are global, replicated arrays (``float(loss)`` and
 ``np.asarray`` read them on any process).
+
+In Horovod every rank returns its own value; here a result is one replicated array. A result
+the ranks computed differently (a step that applied its own gradients without
+``DistributedOptimizer`` or ``hvd.allreduce``) would silently read as device 0's value, so
+the first call of each compiled program compares every result across the ranks (each rank
+returns an exact hash of the result's first elements, compared on the host:
+:mod:`parallax.comm.replication`; the program holds no extra collective) and raises, naming
+the result and the fix: reduce it, or return it as ``hvd.PerRank`` to keep one value per
+rank. ``check_outputs="always"`` checks every call (a host read of the hashes),
+``"never"`` builds the program without them.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from parallax.comm import replication
 from parallax.distributed import batches as batches_lib
 from parallax.horovod.collectives import AXIS
 from parallax.horovod.per_rank import PerRank, is_per_rank
@@ -70,8 +81,12 @@ def _specs(tree, batch: bool):
     return _map_nodes(lambda _: PartitionSpec(AXIS), lambda _: spec, tree)
 
 
+CHECKS = ("first", "always", "never")
+SAMPLE = 1024  # elements of each result hashed by the replication check
+
+
 def jit(fn: Callable | None = None, *, batch_argnums: int | Sequence[int] = -1,
-        donate_argnums: Sequence[int] = ()):
+        donate_argnums: Sequence[int] = (), check_outputs: str = "first"):
     """Runs ``fn(*args)`` on every device of every process, per rank (Horovod's model).
 
     Args:
@@ -80,6 +95,8 @@ def jit(fn: Callable | None = None, *, batch_argnums: int | Sequence[int] = -1,
       batch_argnums: which positional arguments are batches (this process's rows, split over
         its devices); the last one by default. The others are replicated.
       donate_argnums: arguments whose buffers the result may reuse.
+      check_outputs: when to check that every replicated result is the same on every rank:
+        ``"first"`` call of each compiled program (default), ``"always"``, or ``"never"``.
 
     Returns:
       The wrapped step; its results are replicated global arrays.
@@ -100,16 +117,21 @@ def jit(fn: Callable | None = None, *, batch_argnums: int | Sequence[int] = -1,
     References:
       Horovod with ``tf.function``; ``jax.shard_map``.
     """
+    if check_outputs not in CHECKS:
+        raise ValueError(f"hvd.jit: check_outputs={check_outputs!r} is not one of {CHECKS}.")
     if fn is None:
-        return functools.partial(jit, batch_argnums=batch_argnums, donate_argnums=donate_argnums)
-    return HorovodStep(fn, batch_argnums, tuple(donate_argnums))
+        return functools.partial(jit, batch_argnums=batch_argnums, donate_argnums=donate_argnums,
+                                 check_outputs=check_outputs)
+    return HorovodStep(fn, batch_argnums, tuple(donate_argnums), check_outputs)
 
 
 class HorovodStep:
     """A step written per rank, run as one program over the Horovod mesh (see :func:`jit`)."""
 
-    def __init__(self, fn: Callable, batch_argnums, donate_argnums: tuple[int, ...]):
-        self.fn, self.donate_argnums = fn, donate_argnums
+    def __init__(self, fn: Callable, batch_argnums, donate_argnums: tuple[int, ...],
+                 check_outputs: str = "first"):
+        self.fn, self.donate_argnums, self.check_outputs = fn, donate_argnums, check_outputs
+        self._checked: set = set()  # programs whose results were found replicated
         self.batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(
             batch_argnums)
         self._programs: dict = {}
@@ -126,31 +148,64 @@ class HorovodStep:
         key = (jax.tree.structure(placed), tuple(sorted(is_batch)))
         if key not in self._programs:
             self._programs[key] = self._build(placed, is_batch, where)
-        return self._programs[key], placed, where
+        return key, placed, where
 
     def _build(self, placed, is_batch, where):
         """The jitted shard_map; PerRank values travel with a leading axis over the ranks."""
         in_specs = tuple(_specs(a, i in is_batch) for i, a in enumerate(placed))
 
+        check = self.check_outputs != "never"
+
         def body(*args):
             args = [_map_nodes(lambda x: x[0], lambda x: x, a) for a in args]
-            return _map_nodes(lambda x: x[None], lambda x: x, self.fn(*args))
+            out = self.fn(*args)
+            # each rank's hashes of its replicated results, compared on the host when checked
+            # (no collective in the program for the check)
+            own = replication.hashes(_replicated_leaves(out), SAMPLE)[None] if check else None
+            return _map_nodes(lambda x: x[None], lambda x: x, out), own
 
         def program(out_specs):
-            return jax.shard_map(body, mesh=where, in_specs=in_specs, out_specs=out_specs,
-                                 check_vma=False)
+            return jax.shard_map(body, mesh=where, in_specs=in_specs,
+                                 out_specs=(out_specs, PartitionSpec(AXIS)), check_vma=False)
 
         with jax.set_mesh(where):  # the results' structure, to place PerRank ones per rank
-            shapes = jax.eval_shape(program(PartitionSpec()), *placed)
+            shapes, _ = jax.eval_shape(program(PartitionSpec()), *placed)
         return jax.jit(program(_specs(shapes, False)), donate_argnums=self.donate_argnums)
 
     def __call__(self, *args):
-        program, placed, where = self._prepare(args)
+        key, placed, where = self._prepare(args)
         with jax.set_mesh(where):
-            return program(*placed)
+            out, own = self._programs[key](*placed)
+        if self.check_outputs == "always" or (self.check_outputs == "first"
+                                              and key not in self._checked):
+            _raise_if_differ(out, replication.differs_on_host(own))
+            self._checked.add(key)
+        return out
 
     def lower(self, *args):
         """``jax.jit(...).lower``: the program a call with ``args`` runs."""
-        program, placed, where = self._prepare(args)
+        key, placed, where = self._prepare(args)
         with jax.set_mesh(where):
-            return program.lower(*placed)
+            return self._programs[key].lower(*placed)
+
+
+def _replicated_leaves(tree) -> list:
+    """The results ``@hvd.jit`` returns as one replicated array (not in ``hvd.PerRank``)."""
+    return [leaf for leaf in jax.tree.leaves(tree, is_leaf=is_per_rank) if not is_per_rank(leaf)]
+
+
+def _raise_if_differ(out, flags) -> None:
+    """Raises ``ValueError`` naming every replicated result the ranks computed differently."""
+    if not flags.any():
+        return
+    paths = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_per_rank)[0]
+             if not is_per_rank(x)]
+    named = [f"result{jax.tree_util.keystr(p)} {x.dtype}{list(x.shape)}"
+             for (p, x), bad in zip(paths, flags) if bad]
+    raise ValueError(
+        f"hvd.jit: the step returned a different value on each rank for {', '.join(named)}; "
+        "@hvd.jit returns one replicated array per result, so this would silently be one "
+        "rank's value (in Horovod each rank keeps its own). Reduce it over the ranks "
+        "(hvd.allreduce(x), or apply the gradients through hvd.DistributedOptimizer), or "
+        "return it as hvd.PerRank(x) to keep one value per rank; check_outputs='never' "
+        "skips this check.")

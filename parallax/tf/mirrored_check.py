@@ -15,43 +15,17 @@ specify an aggregation method to update a MirroredVariable in Replica Context").
 
 parallax has no optimizer of its own to aggregate in (the replica function calls optax or
 ``nnx.Optimizer``), so it refuses, as TensorFlow 1 did, but only when the values really
-differ: inside the program each mirrored leaf is hashed exactly (the sum of its bits times
-their position, in wrapping ``uint32`` arithmetic, so the order of the sum does not matter)
-and one all-reduce of the hashes (max and min over the replica axes, one scalar per leaf)
-says which differ. The step then costs one extra read of the mirrored state and a few bytes
-of traffic; ``run`` reads the flags (a host sync, as reading the loss is) and raises before
-the state is written back. Under the caller's own ``jax.jit`` there is nothing to read and
-no check (the flags are dropped from the program): call ``run`` outside ``jit`` to check.
+differ: inside the program each mirrored leaf is hashed exactly and the hashes compared
+across the replicas (:func:`parallax.comm.replication.differs`: one extra read of the
+mirrored state and a few bytes of traffic); ``run`` reads the flags (a host sync, as reading
+the loss is) and raises before the state is written back. Under the caller's own
+``jax.jit`` there is nothing to read and no check (the flags are dropped from the program):
+call ``run`` outside ``jit`` to check.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax import lax
-
-
-def _hash(x) -> jax.Array:
-    """An exact, order-independent hash of one array's bits, as a ``uint32`` scalar."""
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag])
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    else:
-        bits = x.astype(jnp.uint32)
-    position = jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape) * 2 + 1
-    return jnp.sum(bits * position, dtype=jnp.uint32)
-
-
-def differs(leaves, axes: tuple[str, ...]) -> jax.Array:
-    """Inside the replica program: ``[len(leaves)]`` booleans, True where replicas differ."""
-    if not leaves:
-        return jnp.zeros((0,), bool)
-    hashes = jnp.stack([_hash(x) for x in leaves])
-    return lax.pmax(hashes, axes) != lax.pmin(hashes, axes)
 
 
 def raise_if_diverged(api: str, nodes, mirrored_index: list[int], flags) -> None:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax import comm
-from parallax.tf import mirrored_check
+from parallax.comm import replication
 from parallax.tf.reduce_op import ReduceOp
 from parallax.tf.replica_context import ReplicaContext, replica
 from parallax.tf.values import Mirrored, PerReplica, VariableAggregation, aggregation_of
@@ -207,7 +207,7 @@ def _body(sig: Signature, reads: list, per_replica, broadcast, state):
                 "Create variables before run, under strategy.scope(): TensorFlow likewise "
                 "refuses variables created inside a replica function after its first call.")
         new_state = _leave(strategy, jax.tree.leaves(state_out), sig.aggregations)
-    flags = mirrored_check.differs([new_state[i] for i in mirrored_leaves(sig)],
+    flags = replication.differs([new_state[i] for i in mirrored_leaves(sig)],
                                    strategy.replica_axes)
     tree, mirrored = _outputs(strategy, result)
     return tree, mirrored, new_state, flags

@@ -28,7 +28,7 @@ def test_global_batch_in_one_process_places_the_batch():
     mesh, strategy = px.make_mesh(data=4, fsdp=2), px.FSDP("fsdp")
     batch = px.distributed.global_batch({"x": np.arange(16.0).reshape(8, 2)}, mesh,
                                         px.compose(px.DataParallel("data"), strategy))
-    assert batch["x"].sharding.spec == px.batch.batch_spec(
+    assert batch["x"].sharding.spec == px.step.batch.batch_spec(
         px.compose(px.DataParallel("data"), strategy))
     np.testing.assert_array_equal(batch["x"], np.arange(16.0).reshape(8, 2))
     with pytest.raises(TypeError, match=r"px.distributed.global_batch: strategy must be a "

@@ -80,6 +80,29 @@ class OldPathFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_loader(name, _Alias(MOVED[name]))
 
 
+# Public names renamed in round 3 ("Plan" is px.plan's alone): package -> {old: new}.
+RENAMED = {
+    "parallax.comm": {"bucket_plan": "pack_buckets"},
+    "parallax.pipeline": {"Plan": "Partition"},
+}
+
+
+def renamed_names(package: str, namespace: dict):
+    """A module ``__getattr__`` for ``package`` that answers a renamed name with the new one,
+    warning once per use with a ``DeprecationWarning`` (the names of :data:`RENAMED`)."""
+    renamed = RENAMED[package]
+
+    def __getattr__(name: str):
+        if name in renamed:
+            warnings.warn(f"{package}.{name} is now {package}.{renamed[name]} (the old name "
+                          f"will be removed in a later release).", DeprecationWarning,
+                          stacklevel=2)
+            return namespace[renamed[name]]
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 def install() -> None:
     """Adds the finder to ``sys.meta_path`` once (importing parallax twice adds nothing)."""
     if not any(isinstance(f, OldPathFinder) for f in sys.meta_path):

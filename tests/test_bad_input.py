@@ -491,7 +491,7 @@ CASES = [
     ("comm", "a negative bucket size",
      lambda _: in_shard_map(lambda v: comm.bucketed_all_reduce({"a": v}, "data",
                                                                bucket_bytes=-1)["a"]), V,
-     r"bucket_plan: bucket_bytes=-1 must be an int >= 0"),
+     r"pack_buckets: bucket_bytes=-1 must be an int >= 0"),
     ("comm", "a hierarchy over one axis twice",
      lambda _: in_shard_map(lambda v: comm.hierarchical_all_reduce(v, "data", "data")), V,
      r"hierarchical_all_reduce: inner_axis='data' and outer_axis='data' overlap"),

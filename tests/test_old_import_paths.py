@@ -40,3 +40,14 @@ def test_every_new_path_exists_and_no_old_path_is_still_a_file():
 def test_unknown_paths_still_fail():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("parallax.no_such_module")
+
+
+@pytest.mark.parametrize("package, old, new", [(p, o, n) for p, names in
+                                                sorted(old_import_paths.RENAMED.items())
+                                                for o, n in names.items()])
+def test_a_renamed_public_name_still_answers_with_a_warning(package, old, new):
+    module = importlib.import_module(package)
+    with pytest.warns(DeprecationWarning, match=rf"{package}.{old} is now {package}.{new}"):
+        assert getattr(module, old) is getattr(module, new)
+    with pytest.raises(AttributeError, match=f"module '{package}' has no attribute 'nothing'"):
+        getattr(module, "nothing")

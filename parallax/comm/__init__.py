@@ -8,7 +8,7 @@ Every function runs inside ``jax.shard_map`` over a named mesh axis, on an array
 * algorithms built only from point-to-point steps (``ppermute``): :func:`ring_reduce_scatter`,
   :func:`ring_all_gather`, :func:`ring_all_reduce`, :func:`tree_all_reduce`,
   :func:`tree_broadcast`, :func:`hierarchical_all_reduce` (two mesh axes);
-* tensor fusion: :func:`bucketed_all_reduce`, :func:`bucket_plan`;
+* tensor fusion: :func:`bucketed_all_reduce`, :func:`pack_buckets`;
 * compression: :class:`Compression` (bf16/fp16 on the wire) and
   :func:`quantized_all_reduce` (blockwise int8);
 * :mod:`parallax.comm.cost`: the alpha-beta model and hardware presets (``algorithm="auto"``);
@@ -26,7 +26,7 @@ Example:
 
 from parallax.comm import cost as cost
 from parallax.comm.bucket import Bucket as Bucket
-from parallax.comm.bucket import bucket_plan as bucket_plan
+from parallax.comm.bucket import pack_buckets as pack_buckets
 from parallax.comm.bucket import bucketed_all_reduce as bucketed_all_reduce
 from parallax.comm.compress import Compression as Compression
 from parallax.comm.hierarchical import hierarchical_all_reduce as hierarchical_all_reduce
@@ -49,6 +49,7 @@ from parallax.comm.wrappers import all_to_all as all_to_all
 from parallax.comm.wrappers import broadcast as broadcast
 from parallax.comm.wrappers import reduce as reduce
 from parallax.comm.wrappers import reduce_scatter as reduce_scatter
+from parallax.old_import_paths import renamed_names as _renamed_names
 
 __all__ = [
     "Bucket",
@@ -57,7 +58,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
-    "bucket_plan",
+    "pack_buckets",
     "bucketed_all_reduce",
     "cost",
     "dequantize_int8",
@@ -77,3 +78,5 @@ __all__ = [
     "tree_broadcast",
     "tree_rounds",
 ]
+
+__getattr__ = _renamed_names("parallax.comm", globals())  # pre-round-3 names, with a warning

@@ -56,7 +56,7 @@ class Bucket:
         return self.size * np.dtype(self.dtype).itemsize
 
 
-def bucket_plan(tree, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+def pack_buckets(tree, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
                 reverse: bool = True) -> list[Bucket]:
     """How :func:`bucketed_all_reduce` packs ``tree``: a static list of :class:`Bucket`.
 
@@ -71,7 +71,7 @@ def bucket_plan(tree, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 
     Example:
       >>> tree = {"a": jnp.zeros(300), "b": jnp.zeros(200), "c": jnp.zeros(100)}
-      >>> [(b.size, b.pieces) for b in bucket_plan(tree, bucket_bytes=1600)]
+      >>> [(b.size, b.pieces) for b in pack_buckets(tree, bucket_bytes=1600)]
       [(400, ((2, 0, 100), (1, 0, 200), (0, 0, 100))), (200, ((0, 100, 300),))]
 
     References:
@@ -79,7 +79,7 @@ def bucket_plan(tree, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
       Training" (VLDB; buckets, reverse order); Horovod tensor fusion (Sergeev & Del Balso
       2018).
     """
-    api = "bucket_plan"
+    api = "pack_buckets"
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(
             bucket_bytes, (int, np.integer)) or bucket_bytes < 0):
         raise ValueError(
@@ -192,7 +192,7 @@ def bucketed_all_reduce(tree, axis, *, bucket_bytes: int | None = DEFAULT_BUCKET
 
 def over_buckets(tree, reduce_bucket, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
                  reverse: bool = True, flat: bool = True):
-    """``tree`` packed into buckets (:func:`bucket_plan`), ``reduce_bucket`` applied to each,
+    """``tree`` packed into buckets (:func:`pack_buckets`), ``reduce_bucket`` applied to each,
     and the results put back in the tree's leaves, shapes and dtypes.
 
     With ``flat`` (the fusion buffer) ``reduce_bucket`` gets one flat array per bucket, the
@@ -204,7 +204,7 @@ def over_buckets(tree, reduce_bucket, *, bucket_bytes: int | None = DEFAULT_BUCK
     leaves = [jnp.asarray(v) for v in leaves]
     flats = [jnp.ravel(v) for v in leaves]
     parts: dict[int, list[tuple[int, jax.Array]]] = {i: [] for i in range(len(leaves))}
-    for bucket in bucket_plan(leaves, bucket_bytes, reverse):
+    for bucket in pack_buckets(leaves, bucket_bytes, reverse):
         if not flat:
             pieces = [leaves[i] if stop - start == leaves[i].size else flats[i][start:stop]
                       for i, start, stop in bucket.pieces]

@@ -62,7 +62,7 @@ class LaunchConfig:
     Example:
       >>> config = LaunchConfig(("python", "train.py"), nproc=2, nnodes=2, node_rank=1,
       ...                       coordinator="10.0.0.1:29400")
-      >>> config.world_size, plan(config, attempt=0).ranks
+      >>> config.world_size, group_start(config, attempt=0).ranks
       (4, (2, 3))
     """
 
@@ -85,7 +85,7 @@ class LaunchConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupPlan:
+class GroupStart:
     """One start of the group: the coordinator, and the global ranks run on this node."""
 
     coordinator: str
@@ -158,8 +158,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                         args.min_np)
 
 
-def plan(config: LaunchConfig, attempt: int, nproc: int | None = None,
-         memory: str | None = None) -> GroupPlan:
+def group_start(config: LaunchConfig, attempt: int, nproc: int | None = None,
+         memory: str | None = None) -> GroupStart:
     """Where and which ranks this node starts on ``attempt`` (0 = the first start).
 
     Every start runs the full world; a policy that shrinks the group after failures
@@ -172,12 +172,12 @@ def plan(config: LaunchConfig, attempt: int, nproc: int | None = None,
         coordinator = bind = config.coordinator
     if nproc is None or nproc == config.nproc:
         first = config.node_rank * config.nproc
-        return GroupPlan(coordinator, bind, tuple(range(first, first + config.nproc)),
+        return GroupStart(coordinator, bind, tuple(range(first, first + config.nproc)),
                          config.world_size, attempt, memory)
-    return GroupPlan(coordinator, bind, tuple(range(nproc)), nproc, attempt, memory)  # --min-np
+    return GroupStart(coordinator, bind, tuple(range(nproc)), nproc, attempt, memory)  # --min-np
 
 
-def environment(config: LaunchConfig, group: GroupPlan, rank: int,
+def environment(config: LaunchConfig, group: GroupStart, rank: int,
                 base: dict | None = None) -> dict:
     """The environment of one process (what ``px.distributed.initialize()`` reads)."""
     env = dict(os.environ if base is None else base)
@@ -205,7 +205,7 @@ def environment(config: LaunchConfig, group: GroupPlan, rank: int,
     return env
 
 
-def run_group(config: LaunchConfig, group: GroupPlan) -> GroupResult:
+def run_group(config: LaunchConfig, group: GroupStart) -> GroupResult:
     """Starts one group and supervises it to its end."""
     if config.node_rank == 0:
         if config.coordinator is not None:
@@ -244,7 +244,7 @@ def run(config: LaunchConfig, log=None) -> int:
     memory = elastic_memory(config)
     try:
         for attempt in range(config.max_restarts + 1):
-            group = plan(config, attempt, nproc, memory)
+            group = group_start(config, attempt, nproc, memory)
             result = run_group(config, group)
             if result.ok:
                 return 0

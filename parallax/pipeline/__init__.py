@@ -48,6 +48,7 @@ from parallax.pipeline.settings import WEIGHTS as WEIGHTS
 from parallax.pipeline.stages import Stages as Stages
 from parallax.pipeline.update import update as update
 from parallax.pipeline.versions import double_buffered as double_buffered
+from parallax.old_import_paths import renamed_names as _renamed_names
 
 __all__ = [
     "METHODS",
@@ -70,3 +71,5 @@ __all__ = [
     "update",
     "value_and_grad",
 ]
+
+__getattr__ = _renamed_names("parallax.pipeline", globals())  # pre-round-3 names, with a warning

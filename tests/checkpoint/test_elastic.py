@@ -144,7 +144,7 @@ def test_min_np_is_checked_and_shrinks_the_plan():
     config = launch_lib.config_from_args(parser.parse_args(
         ["-np", "3", "--max-restarts", "2", "--min-np", "2", sys.executable]))
     assert config.min_np == 2
-    group = launch_lib.plan(config, 1, nproc=2, memory="/dev/shm/x")
+    group = launch_lib.group_start(config, 1, nproc=2, memory="/dev/shm/x")
     assert group.ranks == (0, 1) and group.world_size == 2
     env = launch_lib.environment(config, group, 1)
     assert env["PARALLAX_NUM_PROCESSES"] == "2" and env["PARALLAX_ELASTIC_MEMORY"] == "/dev/shm/x"

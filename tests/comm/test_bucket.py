@@ -11,20 +11,20 @@ from parallax import comm
 
 def test_plan_reverse_order_and_straddling():
     tree = {"a": jnp.zeros(300), "b": jnp.zeros(200), "c": jnp.zeros(100)}
-    plan = comm.bucket_plan(tree, bucket_bytes=1600)           # 400 float32 per bucket
+    plan = comm.pack_buckets(tree, bucket_bytes=1600)           # 400 float32 per bucket
     assert [b.nbytes for b in plan] == [1600, 800]
     assert plan[0].pieces == ((2, 0, 100), (1, 0, 200), (0, 0, 100))
-    forward = comm.bucket_plan(tree, bucket_bytes=1600, reverse=False)
+    forward = comm.pack_buckets(tree, bucket_bytes=1600, reverse=False)
     assert forward[0].pieces == ((0, 0, 300), (1, 0, 100))
-    assert len(comm.bucket_plan(tree, bucket_bytes=0)) == 3   # fusion off: one per leaf
-    assert len(comm.bucket_plan(tree, bucket_bytes=None)) == 1
-    assert len(comm.bucket_plan(tree, bucket_bytes=4)) == 600  # one element per bucket
+    assert len(comm.pack_buckets(tree, bucket_bytes=0)) == 3   # fusion off: one per leaf
+    assert len(comm.pack_buckets(tree, bucket_bytes=None)) == 1
+    assert len(comm.pack_buckets(tree, bucket_bytes=4)) == 600  # one element per bucket
 
 
 def test_plan_groups_dtypes_and_covers_every_element():
     tree = [jnp.zeros((3, 4)), jnp.zeros(5, jnp.int32), jnp.zeros(7), jnp.zeros((2,), jnp.bfloat16),
             jnp.zeros((0,))]
-    plan = comm.bucket_plan(tree, bucket_bytes=24)
+    plan = comm.pack_buckets(tree, bucket_bytes=24)
     assert all(len({np.dtype(tree[i].dtype) for i, _, _ in b.pieces}) == 1 for b in plan)
     covered = {i: 0 for i in range(len(tree))}
     for b in plan:

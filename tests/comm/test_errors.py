@@ -99,7 +99,7 @@ def test_hierarchical_compression_buckets_quantized():
     with pytest.raises(ValueError, match=r"ring_all_reduce: compression='int4' is not one of "
                        r"Compression.none, Compression.bf16, Compression.fp16"):
         trace(lambda v: comm.ring_all_reduce(v, "data", compression="int4"))
-    with pytest.raises(ValueError, match=r"bucket_plan: bucket_bytes=-1 must be an int >= 0 "
+    with pytest.raises(ValueError, match=r"pack_buckets: bucket_bytes=-1 must be an int >= 0 "
                        r"\(0 disables fusion\) or None"):
         trace(lambda v: comm.bucketed_all_reduce({"a": v}, "data", bucket_bytes=-1))
     with pytest.raises(TypeError, match=r"quantized_all_reduce: got a int32 array; int8 "

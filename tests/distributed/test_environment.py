@@ -39,7 +39,7 @@ def test_parallax_launch_variables():
 def test_launcher_writes_what_initialize_reads():
     config = launch.LaunchConfig(("python",), nproc=2, devices_per_process=2, nnodes=2,
                                  node_rank=1, coordinator="10.0.0.1:1234")
-    group = launch.plan(config, attempt=1)
+    group = launch.group_start(config, attempt=1)
     assert group.ranks == (2, 3) and group.world_size == 4
     env = launch.environment(config, group, 3, base={})
     spec = distributed.detect(env=env)
@@ -170,7 +170,7 @@ def test_launcher_exports_torchruns_contract_read_back_as_the_same_cluster():
     torchrun reading of them (MASTER_PORT + 1) names the launcher's own coordinator."""
     config = launch.LaunchConfig(("python",), nproc=2, nnodes=2, node_rank=1,
                                  coordinator="10.0.0.1:1234", max_restarts=2)
-    env = launch.environment(config, launch.plan(config, attempt=1), 3, base={})
+    env = launch.environment(config, launch.group_start(config, attempt=1), 3, base={})
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                 "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                                 "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -164,7 +164,7 @@ def test_fused_buckets_in_reverse_order():
     grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
     assert len(found) == math.ceil(grad_bytes / fusion)
     assert sum(c.message_bytes for c in found) == grad_bytes
-    plan = px.comm.bucket_plan(params, fusion)  # what the optimizer packs: last leaf first
+    plan = px.comm.pack_buckets(params, fusion)  # what the optimizer packs: last leaf first
     assert plan[0].pieces[0][0] == len(jax.tree.leaves(params)) - 1
 
 

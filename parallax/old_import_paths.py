@@ -8,7 +8,8 @@ importing it returns the module at its new path, under both names, and warns onc
 
 Example:
   >>> import warnings, parallax
-  >>> with warnings.catch_warnings(record=True):
+  >>> with warnings.catch_warnings():
+  ...     warnings.simplefilter("ignore")  # the DeprecationWarning naming parallax.cli.demo
   ...     from parallax.demo import demo_tokens
   >>> demo_tokens.__module__
   'parallax.cli.demo'

@@ -3,6 +3,7 @@
 import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -12,7 +13,7 @@ ROOT = pathlib.Path(__file__).parents[2]
 @pytest.mark.slow
 def test_gpu_benchmark_runs_on_cpu_with_the_tiny_config(tmp_path):
     results = tmp_path / "RESULTS.md"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if "xla_force_host_platform_device_count" not in f)
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--tiny", "--results",

@@ -5,6 +5,7 @@ one device; the 2 x 2 run, with the Horovod-style example against one process, s
 launch of tests/distributed/test_multiprocess.py (fewer process starts)."""
 
 import re
+import sys
 
 import pytest
 
@@ -32,7 +33,7 @@ def assert_horovod_agrees(text: str, ranks: int, train: bool, devices: int = 1) 
 
 
 def test_collectives_across_four_processes():
-    out = run_launcher(["-np", "4", "python", PROGRAM])
+    out = run_launcher(["-np", "4", sys.executable, PROGRAM])
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert_horovod_agrees(out.stdout, 4, train=False)
 
@@ -43,7 +44,6 @@ def test_horovodruns_environment_is_one_job_not_n_single_processes():
     HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT): one job of 2 ranks. Before, each trained alone with
     hvd.size() == 1."""
     import subprocess
-    import sys
 
     from parallax.distributed.coordinator_address import free_port_pair
     from tests.distributed.launching import ROOT, test_env

@@ -1,6 +1,6 @@
 """Device meshes with parallax's fixed axis order, validated up front.
 
-parallax names five mesh axes and always lays them out in this order, outermost first:
+parallax names five mesh axes and always lays the devices out in this order, outermost first:
 
     stage  ->  data  ->  fsdp  ->  sequence  ->  tensor
 
@@ -8,6 +8,14 @@ The order puts the axes that talk most (tensor, then sequence) innermost, where 
 are closest (same host, NVLink, neighbouring TPU chips), and the axis that talks least (pipeline
 stages, one activation per micro-batch) outermost. ``jax.make_mesh`` then picks a physical
 device order that respects the topology of the accelerator.
+
+The mesh *names* its axes in a slightly different order, :data:`AXIS_ORDER`: ``stage`` after
+the batch axes (``data, fsdp, stage, sequence, tensor``), over the same devices (the device
+array is transposed, so each stage still holds a contiguous block of devices). The explicit
+style opens a ``shard_map`` over the batch axes and the pipeline runtime one over ``stage``
+inside it; XLA 0.12 aborts the process when nested manual axes are out of the mesh's order
+while an axis (``tensor``) stays automatic (:mod:`parallax.comm.nesting`), and naming
+``stage`` after ``data`` and ``fsdp`` keeps every nesting parallax makes in order.
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-AXIS_ORDER: tuple[str, ...] = ("stage", "data", "fsdp", "sequence", "tensor")
+# Where the devices go, outermost first (the axes that talk least outermost).
+LAYOUT_ORDER: tuple[str, ...] = ("stage", "data", "fsdp", "sequence", "tensor")
+# The order of a mesh's axis names: the pipeline axis after the batch axes, so that the
+# shard_map regions parallax nests (batch axes, then stage) follow the mesh's order.
+AXIS_ORDER: tuple[str, ...] = ("data", "fsdp", "stage", "sequence", "tensor")
 
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
@@ -40,16 +52,24 @@ def _axis_type(axis_types: str | AxisType) -> AxisType:
 def _ordered_axes(api: str, axes: Mapping[str, int]) -> dict[str, int]:
     """Checks names and sizes and returns the axes in parallax's order."""
     for name, size in axes.items():
-        if name not in AXIS_ORDER:
+        if name not in LAYOUT_ORDER:
             raise ValueError(
                 f"{api}: unknown mesh axis {name!r}; the axes are "
-                f"{', '.join(AXIS_ORDER)} (in this order, outermost first)."
+                f"{', '.join(LAYOUT_ORDER)} (in this order, outermost first)."
             )
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
             raise TypeError(f"{api}: axis {name}={size!r} must be an int (or -1).")
         if size == 0 or size < -1:
             raise ValueError(f"{api}: axis {name}={size} must be a positive size or -1.")
-    return {name: int(axes[name]) for name in AXIS_ORDER if name in axes}
+    return {name: int(axes[name]) for name in LAYOUT_ORDER if name in axes}
+
+
+def _named(grid: np.ndarray, layout_names: tuple[str, ...], kind: AxisType) -> Mesh:
+    """The mesh over ``grid`` (axes in ``layout_names`` order), its axes named in
+    :data:`AXIS_ORDER`: the device array transposed, every device where it was."""
+    names = tuple(a for a in AXIS_ORDER if a in layout_names)
+    grid = np.asarray(grid).transpose([layout_names.index(a) for a in names])
+    return Mesh(grid, names, axis_types=(kind,) * len(names))
 
 
 def _factors(sizes: Mapping[str, int]) -> str:
@@ -112,8 +132,8 @@ def make_mesh(
         mesh (size-1 axes included); with none named, the mesh is ``data=-1``.
 
     Returns:
-      A ``jax.sharding.Mesh`` with the named axes in the order stage, data, fsdp, sequence,
-      tensor.
+      A ``jax.sharding.Mesh`` with the named axes in the order data, fsdp, stage, sequence,
+      tensor (:data:`AXIS_ORDER`), the devices laid out stage outermost.
 
     Raises:
       ValueError: an unknown axis, more than one ``-1``, or sizes whose product is not the
@@ -124,16 +144,20 @@ def make_mesh(
       >>> mesh = px.make_mesh(data=2, fsdp=2, tensor=-1)   # on 8 devices: tensor=2
       >>> dict(mesh.shape)
       {'data': 2, 'fsdp': 2, 'tensor': 2}
+      >>> mesh = px.make_mesh(stage=2, data=2, tensor=2)   # stage named after data
+      >>> mesh.axis_names, [d.id for d in mesh.devices[0, 1]]   # stage 1: devices 4..7
+      (('data', 'stage', 'tensor'), [4, 5])
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_axis_sizes("make_mesh", axes, len(devices))
     kind = _axis_type(axis_types)
-    return jax.make_mesh(
+    laid_out = jax.make_mesh(
         tuple(sizes.values()),
         tuple(sizes.keys()),
         axis_types=(kind,) * len(sizes),
         devices=devices,
     )
+    return _named(laid_out.devices, tuple(sizes), kind)
 
 
 def _granule_index(device: jax.Device) -> int:
@@ -195,12 +219,11 @@ def make_hybrid_mesh(
     ici_sizes = resolve_axis_sizes(
         "make_hybrid_mesh", ici, len(devices) // num_granules, "devices per slice"
     )
-    names = tuple(a for a in AXIS_ORDER if a in ici_sizes or a in dcn_sizes)
+    names = tuple(a for a in LAYOUT_ORDER if a in ici_sizes or a in dcn_sizes)
     ici_shape = tuple(ici_sizes.get(a, 1) for a in names)
     dcn_shape = tuple(dcn_sizes.get(a, 1) for a in names)
     grid = hybrid_device_grid(devices, ici_shape, dcn_shape, simulated=simulated)
-    kind = _axis_type(axis_types)
-    return Mesh(grid, names, axis_types=(kind,) * len(names))
+    return _named(grid, names, _axis_type(axis_types))
 
 
 def hybrid_device_grid(devices, ici_shape, dcn_shape, *, simulated: bool = False) -> np.ndarray:

@@ -29,9 +29,9 @@ ABORTS = tuple(jax.__version_info__[:2]) >= (0, 12)
 
 # What a pipelined step can change (the stage bodies need GSPMD for tensor parallelism).
 PIPELINE_FIX = (
-    "On this jax, compose the pipeline with tensor parallelism or with the batch axes, not "
-    "both; or build the mesh with the pipeline axis named after the batch axes, as "
-    "docs/design.md ('Newer JAX') shows; or use jax 0.10.")
+    "Build the mesh with px.make_mesh (it names the pipeline axis after the batch axes), or "
+    "name it so yourself (jax.sharding.Mesh(devices, ('data', 'stage', 'tensor'))); or, on "
+    "this jax, compose the pipeline with tensor parallelism or with the batch axes, not both.")
 
 
 def _mesh():

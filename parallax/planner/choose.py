@@ -269,24 +269,24 @@ def _compile_top(ranked, settings, abstract, loss_fn, batch, devices, device, li
                  top_k, exhaustive) -> dict:
     """Compiles the best-predicted candidates (every one when ``exhaustive``) until ``top_k``
     of them are compiled and one fits (at most ``3 top_k``); returns those that fit."""
-    built, calibration = {}, []  # calibration: compiled / predicted temporaries so far
+    built, calibration = {}, []  # calibration: compiled / predicted peaks so far
     for e in _diverse(ranked):
         enough = len(built) >= 3 * top_k or (len(built) >= top_k and any(x.fits for x in built))
         if enough and not exhaustive:
             break
         if budget is not None and not exhaustive:
-            # The most optimistic correction seen, and a 10% margin: prune only what clearly
-            # cannot fit; the compiled peak decides the rest.
+            # The most optimistic correction seen (compiled over predicted peak), and a 10%
+            # margin: prune only what clearly cannot fit; the compiled peak decides the rest.
             scale = min(calibration) if calibration else 1.0
             if e.predicted_peak > budget or (
-                    calibration and e.predicted_args + e.predicted_temps * scale > 1.1 * budget):
+                    calibration and e.predicted_peak * scale > 1.1 * budget):
                 e.fits = False
                 e.note = "predicted not to fit" + (" (calibrated)" if calibration else "")
                 continue
         built[e] = _compile(e, abstract, loss_fn, batch, devices, device, link, budget,
                             settings[id(e)])
-        if e.compiled_peak and e.predicted_temps:
-            calibration.append((e.compiled_peak - e.predicted_args) / e.predicted_temps)
+        if e.compiled_peak and e.predicted_peak:
+            calibration.append(e.compiled_peak / e.predicted_peak)
     return {e: made for e, made in built.items() if made is not None and e.fits}
 
 

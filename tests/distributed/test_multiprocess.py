@@ -39,7 +39,7 @@ def test_two_nodes_on_localhost_train_five_strategies_like_one_device():
                          "1F1B over processes"):
             assert any(f'"strategy": "{strategy}"' in r for r in results)
     # the pipeline's stage axis spans the processes: both load the whole batch
-    assert re.search(r'"1F1B over processes", "mesh": \{"stage": 2, "data": 2\}, "rows": \[0, 8\]',
+    assert re.search(r'"1F1B over processes", "mesh": \{"data": 2, "stage": 2\}, "rows": \[0, 8\]',
                      out1)
     assert_horovod_agrees(node0.stdout + out1, 2, train=True, devices=2)
 

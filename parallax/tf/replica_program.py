@@ -28,6 +28,10 @@ state written from it must still leave as one replicated value. Aggregating the 
 (``ReplicaContext.all_reduce``) is the replica function's job, as in TensorFlow; a mirrored
 variable written differently on the replicas is detected by exact hashes and refused
 (:mod:`parallax.tf.mirrored_check`).
+
+(A little over 300 lines: the one program behind ``run``, what enters it, what leaves it
+and the static facts its trace records; the partial batches' rules live in
+:mod:`parallax.tf.partial_batches`.)
 """
 
 from __future__ import annotations

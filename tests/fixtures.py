@@ -19,6 +19,16 @@ def mlp_state():
     return px.TrainState.create(px.models.MLP(16, [64, 64], 16, rngs=nnx.Rngs(0)), optax.adam(1e-2))
 
 
+def mlp_step(mesh, strategy):
+    """The README's step on the MLP: ``px.value_and_grad`` of the mean squared error."""
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        loss, grads = px.value_and_grad(px.models.mse_loss)(state.model, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    return step
+
+
 def mlp_batches(steps=STEPS, batch=32):
     rng = np.random.default_rng(0)
     return [

@@ -17,14 +17,6 @@ def mlp_state():
     return px.TrainState.create(px.models.MLP(4, [8], 4, rngs=nnx.Rngs(0)), optax.adam(1e-2))
 
 
-def mlp_step(mesh, strategy):
-    @px.train_step(mesh, strategy)
-    def step(state, batch):
-        loss, grads = px.value_and_grad(px.models.mse_loss)(state.model, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-    return step
-
-
 BATCH = {"x": np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4),
          "y": np.linspace(1, -1, 32, dtype=np.float32).reshape(8, 4)}
 
@@ -32,7 +24,7 @@ BATCH = {"x": np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4),
 @pytest.fixture(scope="module")
 def hsdp():
     mesh, strategy = px.make_mesh(data=2, fsdp=4), px.HSDP("data", "fsdp")
-    state, _ = mlp_step(mesh, strategy)(px.init(mlp_state, mesh, strategy), BATCH)
+    state, _ = fx.mlp_step(mesh, strategy)(px.init(mlp_state, mesh, strategy), BATCH)
     return mesh, strategy, state
 
 
@@ -89,7 +81,7 @@ def test_extra_round_trips_what_a_resume_needs(tmp_path):
 
 def test_manager_saves_every_few_steps_keeps_the_newest_and_restores(tmp_path):
     mesh, strategy = px.make_mesh(data=8), px.DataParallel("data")
-    step = mlp_step(mesh, strategy)
+    step = fx.mlp_step(mesh, strategy)
     state = px.init(mlp_state, mesh, strategy)
     saved = {}
     with px.checkpoint.Manager(tmp_path, max_to_keep=2, save_every=2) as manager:

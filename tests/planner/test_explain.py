@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 from rich.console import Console
 
+import fixtures as fx
 import parallax as px
 from parallax.comm import nesting
 from parallax.cli import explain_and_plan
@@ -138,15 +139,6 @@ def test_explain_3d_on_the_stage_first_mesh_is_a_clear_error_where_xla_would_abo
         gpt3d_report(stage_first)
 
 
-def mlp_step(mesh, strategy):
-    @px.train_step(mesh, strategy)
-    def step(state, batch):
-        loss, grads = px.value_and_grad(px.models.mse_loss)(state.model, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
-    return step
-
-
 def make_mlp():
     return px.TrainState.create(px.models.MLP(16, [64], 16, rngs=nnx.Rngs(0)), optax.adam(1e-3))
 
@@ -155,7 +147,7 @@ MLP_BATCH = {"x": jnp.ones((16, 16)), "y": jnp.zeros((16, 16))}
 
 
 def test_report_rows_are_pinned_for_zero3():
-    report = px.explain(mlp_step(px.make_mesh(fsdp=8), px.ZeRO(3, "fsdp")),
+    report = px.explain(fx.mlp_step(px.make_mesh(fsdp=8), px.ZeRO(3, "fsdp")),
                         jax.eval_shape(make_mlp), MLP_BATCH)
     names = [(r.section, r.name) for r in report.rows]
     assert names == [
@@ -189,7 +181,7 @@ def test_report_rows_are_pinned_for_zero3():
 
 
 def test_report_formats():
-    report = px.explain(mlp_step(px.make_mesh(data=8), px.DataParallel("data")),
+    report = px.explain(fx.mlp_step(px.make_mesh(data=8), px.DataParallel("data")),
                         jax.eval_shape(make_mlp), MLP_BATCH, chip="h100", link="nvlink-h100")
     text = report.text()
     assert text.startswith("px.explain: step") and "chip: h100" in text
@@ -215,7 +207,7 @@ def test_flagged_rows_carry_their_reason():
 def test_explain_times_a_concrete_state():
     mesh, strategy = px.make_mesh(data=8), px.DataParallel("data")
     state = px.init(make_mlp, mesh, strategy)
-    step = mlp_step(mesh, strategy)
+    step = fx.mlp_step(mesh, strategy)
     report = px.explain(step, state, MLP_BATCH, timing_steps=2)
     wall = report.row("step time").measured
     assert wall is not None and wall > 0

@@ -84,7 +84,7 @@ class Signature:
     batch_rows: tuple[int, ...] | None = None
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class TraceFacts:
     """What tracing the replica function found, returned as static data of ``jit``'s output.
@@ -98,29 +98,13 @@ class TraceFacts:
 
     masked: bool
 
-    def tree_flatten(self):
-        return (), self.masked
 
-    @classmethod
-    def tree_unflatten(cls, masked, children):
-        del children
-        return cls(masked)
-
-
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class _MirroredSlot:
     """Stands in the per-replica output tree where a ``Mirrored`` output goes."""
 
     index: int
-
-    def tree_flatten(self):
-        return (), self.index
-
-    @classmethod
-    def tree_unflatten(cls, index, children):
-        del children
-        return cls(index)
 
 
 def _is_special(x) -> bool:

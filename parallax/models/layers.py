@@ -20,6 +20,7 @@ from flax import nnx
 
 from parallax import context
 from parallax.activations import constrain
+from parallax.attention import dot_product_attention
 from parallax.rules import resolve_spec
 
 Initializer = nnx.initializers.Initializer
@@ -245,7 +246,7 @@ class CausalSelfAttention(nnx.Module):
         q = constrain(qkv[..., 0, :, :] + jnp.asarray(self.query.bias[...], dtype), HEADS)
         k = constrain(qkv[..., 1, :, :], HEADS)
         v = constrain(qkv[..., 2, :, :] + jnp.asarray(self.value.bias[...], dtype), HEADS)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, K]
+        y = dot_product_attention(q, k, v, causal=True)  # [B, T, H, K]
         return self.out(constrain(y, HEADS))
 
 

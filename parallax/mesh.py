@@ -1,16 +1,16 @@
 """Device meshes with parallax's fixed axis order, validated up front.
 
-parallax names five mesh axes and always lays the devices out in this order, outermost first:
+parallax names seven mesh axes and always lays the devices out in this order, outermost first:
 
-    stage  ->  data  ->  fsdp  ->  sequence  ->  tensor
+    stage  ->  data  ->  fsdp  ->  expert  ->  context  ->  sequence  ->  tensor
 
-The order puts the axes that talk most (tensor, then sequence) innermost, where the devices
+The order puts the axes that talk most (tensor, then sequence and context) innermost, where the devices
 are closest (same host, NVLink, neighbouring TPU chips), and the axis that talks least (pipeline
 stages, one activation per micro-batch) outermost. ``jax.make_mesh`` then picks a physical
 device order that respects the topology of the accelerator.
 
 The mesh *names* its axes in a slightly different order, :data:`AXIS_ORDER`: ``stage`` after
-the batch axes (``data, fsdp, stage, sequence, tensor``), over the same devices (the device
+the batch axes (``data, fsdp, expert, stage, context, sequence, tensor``), over the same devices (the device
 array is transposed, so each stage still holds a contiguous block of devices). The explicit
 style opens a ``shard_map`` over the batch axes and the pipeline runtime one over ``stage``
 inside it; XLA 0.12 aborts the process when nested manual axes are out of the mesh's order
@@ -29,10 +29,12 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 # Where the devices go, outermost first (the axes that talk least outermost).
-LAYOUT_ORDER: tuple[str, ...] = ("stage", "data", "fsdp", "sequence", "tensor")
+LAYOUT_ORDER: tuple[str, ...] = (
+    "stage", "data", "fsdp", "expert", "context", "sequence", "tensor")
 # The order of a mesh's axis names: the pipeline axis after the batch axes, so that the
 # shard_map regions parallax nests (batch axes, then stage) follow the mesh's order.
-AXIS_ORDER: tuple[str, ...] = ("data", "fsdp", "stage", "sequence", "tensor")
+AXIS_ORDER: tuple[str, ...] = (
+    "data", "fsdp", "expert", "stage", "context", "sequence", "tensor")
 
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
@@ -127,13 +129,14 @@ def make_mesh(
         ``shard_map`` reshards its inputs) or ``"explicit"`` (sharding in types). Every axis
         gets the same type, passed to JAX explicitly so ``jax.make_mesh`` and
         ``jax.sharding.Mesh`` cannot disagree.
-      **axes: sizes of any of ``stage``, ``data``, ``fsdp``, ``sequence``, ``tensor``. One
+      **axes: sizes of any of ``stage``, ``data``, ``fsdp``, ``expert``, ``context``,
+        ``sequence``, ``tensor``. One
         of them may be ``-1``: the devices that remain. Only the axes named appear in the
         mesh (size-1 axes included); with none named, the mesh is ``data=-1``.
 
     Returns:
-      A ``jax.sharding.Mesh`` with the named axes in the order data, fsdp, stage, sequence,
-      tensor (:data:`AXIS_ORDER`), the devices laid out stage outermost.
+      A ``jax.sharding.Mesh`` with the named axes in the order data, fsdp, expert, stage,
+      context, sequence, tensor (:data:`AXIS_ORDER`), the devices laid out stage outermost.
 
     Raises:
       ValueError: an unknown axis, more than one ``-1``, or sizes whose product is not the

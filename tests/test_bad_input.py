@@ -230,7 +230,7 @@ CASES = [
     ("mesh", "-1 that cannot be filled", lambda _: px.make_mesh(data=-1, tensor=3), V,
      r"cannot fill data=-1: the other axes multiply to 3"),
     ("mesh", "an unknown axis name", lambda _: px.make_mesh(model=8), V,
-     r"make_mesh: unknown mesh axis 'model'; the axes are stage, data, fsdp, sequence, tensor"),
+     r"make_mesh: unknown mesh axis 'model'; the axes are stage, data, fsdp, expert, context, sequence, tensor"),
     ("mesh", "a float size", lambda _: px.make_mesh(data=2.0), T, r"axis data=2.0 must be an int"),
     ("mesh", "a zero size", lambda _: px.make_mesh(data=0), V,
      r"axis data=0 must be a positive size or -1"),

@@ -58,7 +58,7 @@ def test_minus_one_that_cannot_divide():
 def test_unknown_axis_name():
     with pytest.raises(
         ValueError,
-        match=r"make_mesh: unknown mesh axis 'model'; the axes are stage, data, fsdp, sequence, tensor",
+        match=r"make_mesh: unknown mesh axis 'model'; the axes are stage, data, fsdp, expert, context, sequence, tensor",
     ):
         px.make_mesh(model=8)
 

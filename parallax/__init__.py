@@ -16,6 +16,7 @@ from parallax import analysis as analysis
 from parallax import checkpoint as checkpoint
 from parallax import comm as comm
 from parallax import distributed as distributed
+from parallax import metrics as metrics
 from parallax import models as models
 from parallax import nn as nn
 from parallax import old_import_paths as _old_import_paths
@@ -29,6 +30,7 @@ from parallax.activations import constrain as constrain
 from parallax.grad import value_and_grad as value_and_grad
 from parallax.mesh import make_hybrid_mesh as make_hybrid_mesh
 from parallax.mesh import make_mesh as make_mesh
+from parallax.metrics import profile as profile
 from parallax.planner.choose import plan as plan
 from parallax.planner.explain import explain as explain
 from parallax.state import TrainState as TrainState
@@ -75,12 +77,14 @@ __all__ = [
     "init",
     "make_hybrid_mesh",
     "make_mesh",
+    "metrics",
     "models",
     "nn",
     "pipeline",
     "planner",
     "ps",
     "plan",
+    "profile",
     "rules",
     "shard",
     "testing",

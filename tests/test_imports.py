@@ -27,6 +27,7 @@ LAYERS = (
     ("strategies", "models"),
     ("nn",),
     ("planner",),  # predicting and choosing among the strategies
+    ("metrics",),  # watching a run: throughput, MFU, memory, logs, profiles
     ("ps",),  # the originals' APIs
     ("horovod", "tf"),
     ("testing", "cli"),  # applications

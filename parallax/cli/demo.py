@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from parallax import checkpoint, testing
+from parallax import checkpoint, metrics, testing
 from parallax.cli import presets
 from parallax.analysis import hlo
 from parallax.distributed.batches import process_slice
@@ -61,6 +61,8 @@ class DemoResult:
     seconds: float
     resumed_from: int | None = None
     checkpoint_dir: str | None = None
+    throughput: str = ""  # px.metrics.Throughput's table
+    logdir: str | None = None
 
 
 def _state_bytes_on_first_device(state) -> int:
@@ -93,11 +95,15 @@ def _resume(saver: checkpoint.Manager, make_state, mesh, strategy, steps: int, s
 
 def run(strategy: str = "dp+fsdp+tp", steps: int = 30, batch: int = 16,
         learning_rate: float = 3e-3, tensor: int = 2, progress: bool = True,
-        checkpoint_dir: str | None = None) -> DemoResult:
+        checkpoint_dir: str | None = None, logdir: str | None = None,
+        profile_steps: str | None = None) -> DemoResult:
     """Trains GPT tiny under ``strategy`` and on one device; returns what it measured.
 
     With ``checkpoint_dir``, resumes from the newest checkpoint there (if any) and saves to
-    it; the loss curve compared with one device covers every step, before and after.
+    it; the loss curve compared with one device covers every step, before and after. With
+    ``logdir``, each step's loss and ``px.metrics`` go to ``logdir/metrics.jsonl`` and
+    TensorBoard event files; with ``profile_steps`` (``"3:5"``), those steps are traced
+    with ``jax.profiler`` into ``logdir`` (``./parallax-logs`` when no ``logdir``).
     """
     from parallax.models import GPT, GPTConfig, next_token_loss
 
@@ -122,14 +128,27 @@ def run(strategy: str = "dp+fsdp+tp", steps: int = 30, batch: int = 16,
     resumed_from = len(losses) if resumed else None
     rows = process_slice(batch, mesh, composed)  # this process's share (all rows in one)
     compiled = step.lower(state, _share(data[0], rows)).compile()
+    meter = metrics.Throughput.for_compiled(compiled, items_per_step=batch * config.max_seq_len)
+    log = metrics.MetricsLog(logdir) if logdir else None
+    profiler = profile_steps and metrics.profile(logdir or "parallax-logs", profile_steps)
     bar = _progress(data[len(losses):], f"{strategy} on {describe(mesh)}", progress)
-    for b in bar:
-        state, metrics = step(state, _share(b, rows))
-        losses.append(float(metrics["loss"]))
+    meter.start()
+    for b in meter.timed(bar):
+        if profiler:
+            profiler.step(len(losses) + 1)
+        state, out = step(state, _share(b, rows))
+        measured = meter.step(out)
+        losses.append(float(out["loss"]))
+        if log:
+            log.write(len(losses), {"loss": losses[-1]} | measured.as_dict())
         if saver:  # the data position is the step: the batches are the same every run
             saver.save(len(losses), state, settings | {"losses": losses, "strategy": strategy})
         if progress:
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", **measured.postfix())
+    if profiler:
+        profiler.close()
+    if log:
+        log.close()
     if saver:
         if saver.latest_step() != len(losses):  # the last step, when off the schedule
             saver.save(len(losses), state, settings | {"losses": losses, "strategy": strategy},
@@ -144,7 +163,8 @@ def run(strategy: str = "dp+fsdp+tp", steps: int = 30, batch: int = 16,
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
     return DemoResult(strategy, describe(mesh), losses, reference, diff,
                       hlo.collectives(compiled, mesh), hlo.memory(compiled), state_bytes, seconds,
-                      resumed_from, checkpoint_dir and str(checkpoint_dir))
+                      resumed_from, checkpoint_dir and str(checkpoint_dir),
+                      meter.table() if meter.history else "", logdir and str(logdir))
 
 
 def _share(batch: dict, rows: slice) -> dict:
@@ -178,6 +198,10 @@ def report(result: DemoResult) -> str:
         "collectives per step",
         hlo.table(result.collectives),
     ]
+    if result.throughput:
+        lines += ["", "throughput (px.metrics)", result.throughput]
+    if result.logdir:
+        lines += [f"metrics logged to {result.logdir} (metrics.jsonl, TensorBoard events)"]
     if result.checkpoint_dir:
         resumed = (f"resumed from step {result.resumed_from}" if result.resumed_from is not None
                    else "started afresh")

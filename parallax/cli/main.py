@@ -44,7 +44,8 @@ def _demo(args) -> int:
         print(f"parallax demo: {simulate_cpu_devices(args.devices or 8)}")
     result = demo.run(args.strategy, steps=args.steps, batch=args.batch,
                       tensor=args.tensor, progress=not args.quiet,
-                      checkpoint_dir=args.checkpoint_dir)
+                      checkpoint_dir=args.checkpoint_dir, logdir=args.logdir,
+                      profile_steps=args.profile_steps)
     print(demo.report(result))
     ok = demo.loss_gap_ok(result, args.tolerance)
     if not ok:
@@ -93,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--checkpoint-dir", default=None,
                       help="resume from the newest checkpoint in this directory (if any) and "
                            "save to it every 10 steps and at the end")
+    demo.add_argument("--logdir", default=None,
+                      help="write each step's loss, throughput, MFU and memory to "
+                           "LOGDIR/metrics.jsonl and TensorBoard event files")
+    demo.add_argument("--profile-steps", default=None, metavar="FIRST:STOP",
+                      help="trace these steps with jax.profiler (e.g. 3:5) into --logdir "
+                           "(./parallax-logs without one); open in Perfetto or TensorBoard")
     demo.set_defaults(run=_demo)
 
     explain = commands.add_parser(

@@ -184,12 +184,14 @@ def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=Non
     checked = not getattr(strategy.grad_sync, "varying_results", False)
 
     def body(p_local, state, b_local):
-        full = gather_params(p_local, lays, axes, cast=checked)
+        with jax.named_scope("parallax/zero_gather"):  # names the collectives in profiles
+            full = gather_params(p_local, lays, axes, cast=checked)
         position = Position(lax.axis_index(axes), shards)
         with context.manual(axes):
             (loss, res), grads = produce(jax.tree.unflatten(p_def, full),
                                          jax.tree.unflatten(b_def, b_local), state, position)
-        synced = sync_grads(jax.tree.leaves(grads), lays, axes, strategy.grad_sync)
+        with jax.named_scope("parallax/grad_sync"):
+            synced = sync_grads(jax.tree.leaves(grads), lays, axes, strategy.grad_sync)
         shared, examples = reduce_results(loss, res, leading_size(b_local), axes, shards)
         return shared, examples, [g / shards for g in synced]
 

@@ -117,39 +117,46 @@ def _match(x, axis: str, varying: bool):
     return to_varying(x, axis) if varying else x
 
 
-def _pair(forward, backward):
+def _pair(name, forward, backward):
     """A ``custom_vjp`` operator ``op(x, axis, dim)``: ``forward``, and ``backward`` for it.
 
     ``backward(ct, axis, dim, was_varying)`` gets whether the input was typed varying, so
-    that the gradient it returns has the input's type.
+    that the gradient it returns has the input's type. Both run under the named scope
+    ``parallax/tensor_<name>`` (forward) and ``.../<name>_grad`` (backward), which names
+    their collectives in the compiled program and in profiles.
     """
+    scope = f"parallax/tensor_{name}"
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
     def op(x, axis, dim):
-        return forward(x, axis, dim)
+        with jax.named_scope(scope):
+            return forward(x, axis, dim)
 
     def op_fwd(x, axis, dim):
-        return forward(x, axis, dim), axis in varying_axes(x)
+        with jax.named_scope(scope):
+            return forward(x, axis, dim), axis in varying_axes(x)
 
     def op_bwd(axis, dim, was_varying, ct):
-        return (backward(ct, axis, dim, was_varying),)
+        with jax.named_scope(f"{scope}_grad"):
+            return (backward(ct, axis, dim, was_varying),)
 
     op.defvjp(op_fwd, op_bwd)
     return op
 
 
 # Each operator next to its transpose: the table of the module docstring.
-_copy = _pair(lambda x, a, d: to_varying(x, a),
+_copy = _pair("f", lambda x, a, d: to_varying(x, a),
               lambda ct, a, d, v: _match(comm.all_reduce(ct, a), a, v))
-_reduce = _pair(lambda x, a, d: comm.all_reduce(x, a),
+_reduce = _pair("g", lambda x, a, d: comm.all_reduce(x, a),
                 lambda ct, a, d, v: to_varying(ct, a))
-_scatter = _pair(lambda x, a, d: _local_slice(to_varying(x, a), a, d),
+_scatter = _pair("scatter", lambda x, a, d: _local_slice(to_varying(x, a), a, d),
                  lambda ct, a, d, v: comm.all_gather(ct, a, dim=d, invariant=not v))
-_gather = _pair(lambda x, a, d: comm.all_gather(x, a, dim=d, invariant=True),
+_gather = _pair("gather", lambda x, a, d: comm.all_gather(x, a, dim=d, invariant=True),
                 lambda ct, a, d, v: _local_slice(to_varying(ct, a), a, d))
-_seq_gather = _pair(lambda x, a, d: comm.all_gather(x, a, dim=d),
+_seq_gather = _pair("sequence_gather", lambda x, a, d: comm.all_gather(x, a, dim=d),
                     lambda ct, a, d, v: comm.reduce_scatter(ct, a, dim=d))
-_seq_reduce_scatter = _pair(lambda x, a, d: comm.reduce_scatter(x, a, dim=d),
+_seq_reduce_scatter = _pair("sequence_reduce_scatter",
+                            lambda x, a, d: comm.reduce_scatter(x, a, dim=d),
                             lambda ct, a, d, v: comm.all_gather(ct, a, dim=d))
 
 

@@ -49,7 +49,7 @@ class TrainStep:
         # The state keeps its own (committed) shardings on the way in, and is constrained to
         # the strategy's layout on the way out; every batch leaf gets the one batch sharding.
         self._jitted = jax.jit(
-            self._traced,
+            self._named_traced(),
             in_shardings=(None, batch_lib.batch_sharding(strategy, mesh)),
             donate_argnums=(0,) if donate else (),
         )
@@ -58,6 +58,16 @@ class TrainStep:
     def state_shardings(self, state):
         """The ``NamedSharding`` of every leaf of ``state`` under the strategy."""
         return layout.state_shardings(state, self.strategy, self.mesh, "px.train_step")
+
+    def _named_traced(self) -> Callable:
+        """:meth:`_traced` under the user's function's name, which the compiled program and
+        profiles then show (``jit(train)``, not an internal name)."""
+
+        def traced(state, batch, *args):
+            return self._traced(state, batch, *args)
+
+        traced.__name__ = traced.__qualname__ = getattr(self.fn, "__name__", "step")
+        return traced
 
     def _traced(self, state, batch, *args):
         """The step as ``jit`` traces it: checks, the strategy's context, the layout."""
@@ -147,7 +157,7 @@ class TrainStep:
         if self._multiprocess:
             batch = batch_lib.assemble(batch, self.strategy, self.mesh)
         jitted = jax.jit(
-            self._traced,
+            self._named_traced(),
             in_shardings=(self.state_shardings(state), batch_lib.batch_sharding(
                 self.strategy, self.mesh)),
             donate_argnums=(0,) if self.donate else (),

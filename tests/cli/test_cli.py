@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import subprocess
@@ -56,11 +57,17 @@ def test_demo_runs_from_the_command_line():
 
 
 @pytest.mark.slow
-def test_demo_flags_and_progress_bar(capsys):
-    # In this process (8 devices already simulated): another strategy, a progress bar.
-    assert cli.main(["demo", "--strategy", "zero2+tp-sp", "--tensor", "4", "--steps", "2",
-                     "--batch", "8"]) == 0
+def test_demo_flags_and_progress_bar(capsys, tmp_path):
+    # In this process (8 devices already simulated): another strategy, a progress bar with
+    # px.metrics, a metrics log and a profile of step 2.
+    assert cli.main(["demo", "--strategy", "zero2+tp-sp", "--tensor", "4", "--steps", "3",
+                     "--batch", "8", "--logdir", str(tmp_path), "--profile-steps", "2:3"]) == 0
     out, err = capsys.readouterr()
     assert "strategy zero2+tp-sp on fsdp=2 x tensor=4 (8 cpu devices)" in out
     assert "reduce-scatter" in out
-    assert "2/2" in err  # tqdm's bar, on stderr
+    assert "3/3" in err and "tok/s/dev=" in err and "MFU=" in err  # tqdm's bar, on stderr
+    assert "throughput (px.metrics)" in out and "tokens/s per device" in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["items_per_second"] > 0 and r["mfu"] > 0 for r in rows)
+    assert list(tmp_path.glob("plugins/profile/*/perfetto_trace.json.gz"))

@@ -255,12 +255,14 @@ def _ticks(env: Env, x_like, table, opt, axis: str, trace: bool):
             code = code + RUNTIME_CODES[kind] * trips
         # 3. send, the same collectives on every stage and every tick
         payload = state["payload"]
-        if S > 2:
-            sent_up, sent_down = lax.ppermute(payload, axis, up), lax.ppermute(payload, axis, down)
-        elif S == 2:  # both neighbours are the other stage: one permute serves both ways
-            sent_up = sent_down = lax.ppermute(payload, axis, up)
-        else:
-            sent_up = sent_down = payload
+        with jax.named_scope("parallax/pipeline_send"):  # names the sends in profiles
+            if S > 2:
+                sent_up = lax.ppermute(payload, axis, up)
+                sent_down = lax.ppermute(payload, axis, down)
+            elif S == 2:  # both neighbours are the other stage: one permute serves both ways
+                sent_up = sent_down = lax.ppermute(payload, axis, up)
+            else:
+                sent_up = sent_down = payload
         return (state, sent_up, sent_down), code
 
     x0 = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), slots["inbox"])

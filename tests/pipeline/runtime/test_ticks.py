@@ -138,6 +138,7 @@ def test_two_stages_need_one_ppermute_per_tick():
     loop = [c for c in hlo.collectives(program, stage_mesh(2)) if c.count > 1]
     assert [(c.kind, c.count, c.pairs) for c in loop] == [
         ("collective-permute", sched.ticks, ((0, 1), (1, 0)))]
+    assert all("parallax/pipeline_send" in c.op_name for c in loop)  # named in profiles
     assert not re.search(r"pp_[FBW]/", loop[0].op_name)
 
 

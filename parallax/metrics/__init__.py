@@ -1,0 +1,16 @@
+"""Watching a run: per-step throughput, MFU and memory; logs; profiles (``px.metrics``).
+
+- :class:`Throughput`: step time, tokens (or examples) per second per device, MFU against
+  the device's peak, memory in use and peak, the data-loading wait.
+- :class:`MetricsLog`: JSON lines and TensorBoard event files, process 0 only by default.
+- :func:`profile`: a ``jax.profiler`` trace of chosen steps (Perfetto / TensorBoard).
+"""
+
+from parallax.metrics.device_memory import DeviceMemory, device_memory, live_bytes
+from parallax.metrics.peak import peak_flops_per_device
+from parallax.metrics.profiling import Profiler, parse_steps, profile
+from parallax.metrics.throughput import StepMetrics, Throughput
+from parallax.metrics.writers import MetricsLog
+
+__all__ = ["DeviceMemory", "MetricsLog", "Profiler", "StepMetrics", "Throughput",
+           "device_memory", "live_bytes", "parse_steps", "peak_flops_per_device", "profile"]

@@ -14,6 +14,8 @@ from parallax.models.gpt_config import param_count as param_count
 from parallax.models.gpt_pipeline import next_token_stages as next_token_stages
 from parallax.models.mlp import MLP as MLP
 from parallax.models.mlp import mse_loss as mse_loss
+from parallax.models.pretrained import from_pretrained as from_pretrained
+from parallax.models.pretrained import save_pretrained as save_pretrained
 
 __all__ = [
     "GPT",
@@ -21,8 +23,10 @@ __all__ = [
     "MLP",
     "block_forward",
     "flops_per_token",
+    "from_pretrained",
     "mse_loss",
     "next_token_loss",
     "next_token_stages",
     "param_count",
+    "save_pretrained",
 ]

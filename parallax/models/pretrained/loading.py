@@ -119,7 +119,7 @@ def _check_shape(files, piece, name, leaf, stacked: int = 0) -> None:
                          "model of its config's model_type.")
     stored = files.shape(piece.name)
     rows = piece.rows_stored or (piece.row_dims and int(np.prod(piece.row_dims)))
-    cols = int(np.prod(piece.col_dims)) + piece.col_offset
+    cols = piece.cols_stored or int(np.prod(piece.col_dims)) + piece.col_offset
     want = (stored[-1], stored[0]) if piece.transpose else (stored[0], stored[-1] if
                                                              len(stored) > 1 else None)
     ok = (len(stored) == 1 and not piece.row_dims and cols <= stored[0]) or (

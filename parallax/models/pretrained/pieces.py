@@ -29,6 +29,7 @@ class Piece:
       col_offset: the first column of ours in the checkpoint's matrix (fused q/k/v).
       rows_stored: rows the checkpoint has when ours has more (vocabulary padding: the rest
         are zero); None when equal.
+      cols_stored: the same for columns (a padded output head stored ``[V, D]``).
     """
 
     name: str
@@ -37,6 +38,7 @@ class Piece:
     transpose: bool = False
     col_offset: int = 0
     rows_stored: int | None = None
+    cols_stored: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -66,20 +68,31 @@ class Piece:
     def _rectangle(self, files, rows: slice | None, cols: slice) -> np.ndarray:
         if rows is None:  # a vector
             return files.read(self.name, (cols,))
-        stored = self.rows_stored
-        kept = rows if stored is None else slice(min(rows.start, stored), min(rows.stop, stored))
-        index = (cols, kept) if self.transpose else (kept, cols)
-        block = files.read(self.name, index) if kept.stop > kept.start else None
+        kept_rows, kept_cols = _kept(rows, self.rows_stored), _kept(cols, self.cols_stored)
+        index = (kept_cols, kept_rows) if self.transpose else (kept_rows, kept_cols)
+        empty = kept_rows.stop == kept_rows.start or kept_cols.stop == kept_cols.start
+        block = None if empty else files.read(self.name, index)
         if block is not None and self.transpose:
             block = block.T
-        missing = (rows.stop - rows.start) - (kept.stop - kept.start)
-        if missing:  # padded rows of ours: zeros
-            pad = np.zeros((missing, cols.stop - cols.start), self._dtype(files, block))
-            block = pad if block is None else np.concatenate([block, pad])
+        shape = (_count(rows), _count(cols))
+        if block is None or block.shape != shape:  # padded rows or columns of ours: zeros
+            padded = np.zeros(shape, self._dtype(files, block))
+            if block is not None:
+                padded[:block.shape[0], :block.shape[1]] = block
+            block = padded
         return block
 
     def _dtype(self, files, block):
-        return block.dtype if block is not None else files.read(self.name, (slice(0, 1),)).dtype
+        if block is not None:
+            return block.dtype
+        return files.read(self.name, (slice(0, 1), slice(0, 1))).dtype
+
+
+def _kept(wanted: slice, stored: int | None) -> slice:
+    """The part of ``wanted`` the checkpoint stores (all of it when ``stored`` is None)."""
+    if stored is None:
+        return wanted
+    return slice(min(wanted.start, stored), min(wanted.stop, stored))
 
 
 def _count(s: slice) -> int:

@@ -28,6 +28,8 @@ from parallax import testing as testing
 from parallax import tf as tf
 from parallax.activations import constrain as constrain
 from parallax.grad import value_and_grad as value_and_grad
+from parallax.loss_scale import dynamic_loss_scale as dynamic_loss_scale
+from parallax.loss_scale import metrics as loss_scale_metrics
 from parallax.mesh import make_hybrid_mesh as make_hybrid_mesh
 from parallax.mesh import make_mesh as make_mesh
 from parallax.metrics import profile as profile
@@ -40,6 +42,7 @@ from parallax.step import shard as shard
 from parallax.step import train_step as train_step
 from parallax.strategies import FSDP as FSDP
 from parallax.strategies import HSDP as HSDP
+from parallax.strategies import MixedPrecision as MixedPrecision
 from parallax.strategies import Pipeline as Pipeline
 from parallax.strategies import ReduceToOne as ReduceToOne
 from parallax.strategies import BucketedSync as BucketedSync
@@ -60,6 +63,7 @@ __all__ = [
     "FSDP",
     "GradientAccumulation",
     "HSDP",
+    "MixedPrecision",
     "Pipeline",
     "ReduceToOne",
     "Strategy",
@@ -73,8 +77,10 @@ __all__ = [
     "compose",
     "constrain",
     "distributed",
+    "dynamic_loss_scale",
     "explain",
     "init",
+    "loss_scale_metrics",
     "make_hybrid_mesh",
     "make_mesh",
     "metrics",

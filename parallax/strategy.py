@@ -35,7 +35,9 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   must be split over its axis);
 - ``module_hooks``: called as ``hook(model)`` on the NNX module ``px.value_and_grad``
   rebuilds inside the traced loss, before the loss runs (a tensor-parallel plan with
-  sequence parallelism pins activation layouts on the stock modules it styles).
+  sequence parallelism pins activation layouts on the stock modules it styles);
+- ``precision``: a mixed-precision policy (``px.MixedPrecision``: the dtypes of the
+  forward pass, the gradients and their reduction), applied by ``px.value_and_grad``.
 
 Example:
   >>> import parallax as px
@@ -105,6 +107,7 @@ class Strategy:
       param_names: sources of names for unannotated parameters (tensor-parallel plans).
       layout_checks: checks of the whole parameter layout.
       module_hooks: preparations of the module rebuilt inside ``px.value_and_grad``.
+      precision: a ``parallax.precision.Policy`` (None: every dtype as the model has it).
     """
 
     name: str = "Replicated()"
@@ -119,6 +122,7 @@ class Strategy:
     param_names: tuple[Callable, ...] = ()
     layout_checks: tuple[Callable, ...] = ()
     module_hooks: tuple[Callable, ...] = ()
+    precision: object | None = None
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -184,7 +188,7 @@ def compose(*strategies: Strategy) -> Strategy:
       TypeError: an argument is not a Strategy.
       ValueError: a logical axis mapped to two different mesh axes, a mesh axis claimed
         twice or used both for the batch and for a parameter rule, two ZeRO stages, two
-        gradient producers, or two sync styles.
+        gradient producers, two sync styles, or two precision policies.
 
     Example:
       >>> import parallax as px
@@ -259,6 +263,12 @@ def compose(*strategies: Strategy) -> Strategy:
             f"px.compose: {name} has a gradient sync ({syncs[0]!r}) and style='gspmd', which "
             "leaves the gradient sum to XLA; use the explicit style (the default) with sync=."
         )
+    policies = list(dict.fromkeys(s.precision for s in strategies if s.precision is not None))
+    if len(policies) > 1:
+        raise ValueError(
+            f"px.compose: two different precision policies ({policies[0]!r} and "
+            f"{policies[1]!r}); a step computes in one set of dtypes, so keep one "
+            "px.MixedPrecision.")
     return Strategy(
         name=name,
         rules=tuple(rules.items()),
@@ -272,6 +282,7 @@ def compose(*strategies: Strategy) -> Strategy:
         param_names=tuple(dict.fromkeys(c for s in strategies for c in s.param_names)),
         layout_checks=tuple(dict.fromkeys(c for s in strategies for c in s.layout_checks)),
         module_hooks=tuple(dict.fromkeys(c for s in strategies for c in s.module_hooks)),
+        precision=policies[0] if policies else None,
     )
 
 

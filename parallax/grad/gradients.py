@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from parallax import context, layout
+from parallax import context, layout, loss_scale
 from parallax.step import finite_check
 from parallax.grad.aux_outputs import join_examples, over_shards, restore_static, split_examples
 from parallax.step.batch import check_batch_tree
@@ -117,9 +117,12 @@ def value_and_grad(
         axes = batch_axes(ctx)
         explicit = bool(axes) and strategy.sync_style == "explicit"
         check_options(options, ctx, axes, explicit)
+        policy = strategy.precision if strategy is not None else None
+        scale = precision_scale(policy, parts.params)
         local = SliceLoss(loss_fn, parts, args, has_aux, options,
                           axes=axes if explicit else (), check=finite_check.active(),
-                          hooks=strategy.module_hooks if strategy is not None else ())
+                          hooks=strategy.module_hooks if strategy is not None else (),
+                          precision=policy, scale=scale)
         produce, split = gradient_producer(local, strategy, microbatches)
         check_microbatches(batch, split, API, axis_size(ctx.mesh, axes) if axes else 1)
         if explicit:
@@ -128,6 +131,7 @@ def value_and_grad(
         else:
             (loss, res), grads = produce(parts.params, batch, parts.state, WHOLE)
             grads = constrain_grads(grads, parts.params, ctx, target)
+        loss, grads = finish_precision(policy, scale, loss, grads)
         parts.write_back(target, res.state, res.new)
         finite_check.extend(list(res.checks.items()))
         finite_check.record("loss", loss)
@@ -137,6 +141,31 @@ def value_and_grad(
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
+
+
+def precision_scale(policy, params):
+    """The loss scale of the step (None without one), after checking the policy's params."""
+    if policy is None:
+        return None
+    policy.check_params(params, API)
+    scale = loss_scale.current()
+    if policy.loss_scale == "dynamic" and scale is None:
+        raise ValueError(
+            f"{API}: the precision policy ({policy.describe()}) scales the loss dynamically, "
+            "but the step's state holds no loss scale. Wrap the optimizer: "
+            "px.TrainState.create(model, px.dynamic_loss_scale(optax.adam(...))), or pass "
+            "px.MixedPrecision(..., loss_scale=None).")
+    return scale if policy.loss_scale == "dynamic" else None
+
+
+def finish_precision(policy, scale, loss, grads):
+    """The loss and gradients unscaled (in float32) and the gradients in ``grads`` dtype."""
+    if policy is None:
+        return loss, grads
+    if scale is not None:
+        loss = loss / scale
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+    return loss, jax.tree.map(lambda g: g.astype(policy.grads), grads)
 
 
 def check_options(options: StateOptions, ctx, axes, explicit: bool) -> None:
@@ -191,7 +220,8 @@ def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=Non
             (loss, res), grads = produce(jax.tree.unflatten(p_def, full),
                                          jax.tree.unflatten(b_def, b_local), state, position)
         with jax.named_scope("parallax/grad_sync"):
-            synced = sync_grads(jax.tree.leaves(grads), lays, axes, strategy.grad_sync)
+            synced = sync_grads(jax.tree.leaves(grads), lays, axes, strategy.grad_sync,
+                                strategy.precision)
         shared, examples = reduce_results(loss, res, leading_size(b_local), axes, shards)
         return shared, examples, [g / shards for g in synced]
 
@@ -252,9 +282,15 @@ def remaining_axes(lay, axes) -> tuple[str, ...]:
     return tuple(a for a in axes if a != lay.zero.axis) if lay.is_sharded("grad") else axes
 
 
-def sync_grads(leaves, lays, axes, grad_sync):
+def sync_grads(leaves, lays, axes, grad_sync, policy=None):
     """Gradients summed over the batch axes: ZeRO's reduce-scatter, then one ``psum`` per
-    leaf over the remaining axes, or the strategy's ``grad_sync`` per group (DDP buckets)."""
+    leaf over the remaining axes, or the strategy's ``grad_sync`` per group (DDP buckets).
+    With a precision policy the sum travels in its ``reduce`` dtype and comes back in its
+    ``grads`` dtype."""
+    if policy is not None:
+        leaves = [g.astype(policy.reduce) for g in leaves]
+        summed = sync_grads(leaves, lays, axes, grad_sync)
+        return [g.astype(policy.grads) for g in summed]
     if grad_sync is None:
         def reduce(g, lay):
             g, over = scatter_grad(g, lay), remaining_axes(lay, axes)

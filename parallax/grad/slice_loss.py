@@ -113,6 +113,9 @@ class SliceLoss:
       statics: where static auxiliary leaves are set aside while tracing.
       check: record the model's checks (a step with ``check_finite=True``).
       hooks: the strategy's ``module_hooks``, run on the rebuilt module.
+      precision: the strategy's ``parallax.precision.Policy``: parameters and floating
+        batch leaves cast to its compute dtype, the loss back to float32.
+      scale: the loss scale the loss is multiplied by (None: not scaled).
     """
 
     loss_fn: Callable
@@ -126,6 +129,8 @@ class SliceLoss:
     statics: dict = dataclasses.field(default_factory=dict)
     check: bool = False
     hooks: tuple = ()
+    precision: Any = None
+    scale: Any = None
 
     def at(self, state, position: Position) -> SliceLoss:
         """This loss for the slice at ``position``, starting from ``state``."""
@@ -139,7 +144,13 @@ class SliceLoss:
         rows = leading_size(batch)
         target = self.target
 
+        policy = self.precision
+        inputs = batch if policy is None else policy.to_compute(batch)
+
         def local(p):
+            # The cast is inside the differentiated function: the gradient with respect to
+            # the stored (master) parameters comes out through it.
+            p = p if policy is None else policy.to_compute(p)
             with finite_check.scope(self.check) as records:
                 if target.is_module:
                     # A fresh copy of every variable, created at this trace level: the
@@ -152,15 +163,20 @@ class SliceLoss:
                         hook(model)
                 else:
                     model = p
-                out = self.loss_fn(model, batch, *self.args)
+                out = self.loss_fn(model, inputs, *self.args)
             loss, aux = split_output(out, self.has_aux, self.loss_fn)
+            if policy is not None:
+                loss = loss.astype(jnp.float32)
+            if self.scale is not None:
+                loss = loss * self.scale
             aux, self.statics["aux"] = partition_static(aux)
             carried = new = None
             if target.is_module:
                 carried, new = target.state_after(model)
                 # Keys are restored: a forward pass draws from them, it does not move them.
+                # State keeps its dtype whatever the compute dtype (BatchNorm statistics).
                 carried = jax.tree.map(lambda after, before: before if sliced_rng.is_key(before)
-                                       else after, carried, state)
+                                       else jnp.asarray(after, before.dtype), carried, state)
                 new = sliced_rng.unslice_keys(new)
             return loss, LocalResult(aux, carried, new, _merge_checks(records))
 

@@ -1,6 +1,6 @@
-"""Reference models in pure Flax NNX, annotated with logical axes: ``MLP`` and ``GPT``.
+"""Reference models in pure Flax NNX, annotated with logical axes: ``MLP``, ``GPT``, ``Llama``.
 
-Both build and run on one device with no mesh; a strategy reads their logical names
+All build and run on one device with no mesh; a strategy reads their logical names
 (``"embed"``, ``"mlp"``, ``"heads"``, ``"kv"``, ``"vocab"``, ``"layers"``, ...) and shards them.
 See ``docs/models.md``.
 """
@@ -12,6 +12,12 @@ from parallax.models.gpt_config import flops_per_token as flops_per_token
 from parallax.models.gpt import next_token_loss as next_token_loss
 from parallax.models.gpt_config import param_count as param_count
 from parallax.models.gpt_pipeline import next_token_stages as next_token_stages
+from parallax.models.llama import Llama as Llama
+from parallax.models.llama import llama_stages as llama_stages
+from parallax.models.llama_config import LlamaConfig as LlamaConfig
+from parallax.models.llama_config import llama_flops_per_token as llama_flops_per_token
+from parallax.models.llama_config import llama_param_count as llama_param_count
+from parallax.models.rope import RopeScaling as RopeScaling
 from parallax.models.mlp import MLP as MLP
 from parallax.models.mlp import mse_loss as mse_loss
 from parallax.models.pretrained import from_pretrained as from_pretrained
@@ -20,13 +26,19 @@ from parallax.models.pretrained import save_pretrained as save_pretrained
 __all__ = [
     "GPT",
     "GPTConfig",
+    "Llama",
+    "LlamaConfig",
     "MLP",
     "block_forward",
     "flops_per_token",
     "from_pretrained",
+    "llama_flops_per_token",
+    "llama_param_count",
+    "llama_stages",
     "mse_loss",
     "next_token_loss",
     "next_token_stages",
     "param_count",
     "save_pretrained",
+    "RopeScaling",
 ]

@@ -46,6 +46,14 @@ from parallax.analysis.tensor_traffic import megatron_traffic
 from parallax.comm import cost
 from parallax.mesh import AXIS_ORDER
 from parallax.models.gpt_config import flops_per_token, param_count
+from parallax.models.llama_config import LlamaConfig, llama_flops_per_token, llama_param_count
+
+
+def _arithmetic(config):
+    """(param_count, flops_per_token) of the model's family."""
+    if isinstance(config, LlamaConfig):
+        return llama_param_count, llama_flops_per_token
+    return param_count, flops_per_token
 
 
 @dataclasses.dataclass
@@ -200,7 +208,7 @@ def _pipeline(s: StepSetting, add) -> None:
 
 
 def flops(s: StepSetting) -> Estimate | None:
-    """Matmul flops per device per step for a GPT (None for other models).
+    """Matmul flops per device per step for a GPT or Llama (None for other models).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, parallax as px
@@ -220,12 +228,13 @@ def flops(s: StepSetting) -> Estimate | None:
         return None
     tokens = s.batch_rows * s.seq_len
     ways = s.size(s.batch_axes) * s.tensor * s.stages
-    total = flops_per_token(c, s.seq_len) * tokens
+    count, per_token = _arithmetic(c)
+    total = per_token(c, s.seq_len) * tokens
     how = "(6 N + 12 L T D) x tokens / devices"
     p = s.pipeline
     if p is not None and p.remat_fraction:
-        block = (param_count(dataclasses.replace(c, num_layers=2))
-                 - param_count(dataclasses.replace(c, num_layers=1)))
+        block = (count(dataclasses.replace(c, num_layers=2))
+                 - count(dataclasses.replace(c, num_layers=1)))
         forward = (2 * block + 4 * s.seq_len * c.embed_dim) * c.num_layers * tokens
         total += p.remat_fraction * forward
         how += " + recomputed forwards"

@@ -3,8 +3,10 @@
 :func:`read_setting` turns ``(mesh, strategy, state, batch)`` into a :class:`StepSetting`:
 the sizes of the data, ZeRO, tensor and pipeline parts, every state leaf with its role
 (parameter, optimizer state, other) and the mesh axes the strategy's rules split it over,
-the batch's leaves, and the GPT configuration when the model is ``px.models.GPT`` (or
-``px.nn.ParallelGPT``). ``parallax.analysis.predict`` computes the formulas from it.
+the batch's leaves, and the model's configuration when it is ``px.models.GPT`` (or
+``px.nn.ParallelGPT``) or ``px.models.Llama`` (whose sizes the GPT's activation and
+Megatron formulas read as they are: SwiGLU's third matrix and GQA's smaller k/v are not in
+them). ``parallax.analysis.predict`` computes the formulas from it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from flax import nnx
 from parallax import layout
 from parallax.analysis.program import PipelineBranches
 from parallax.models.gpt_config import GPTConfig
+from parallax.models.llama_config import LlamaConfig
 from parallax.pipeline import Schedule, schedule
 from parallax.pipeline.producer import PipelineProducer
 from parallax.rules import LAYERS, as_tuple
@@ -74,7 +77,7 @@ class StepSetting:
     batch_bytes: int
     batch_rows: int
     seq_len: int | None
-    config: GPTConfig | None
+    config: GPTConfig | LlamaConfig | None
     pipeline: PipelineSetting | None
     accumulation: int
 
@@ -139,8 +142,8 @@ def _pipeline(strategy: Strategy, mesh_shape: dict) -> PipelineSetting | None:
                            remat if isinstance(remat, str) else "policy")
 
 
-def model_config(state) -> GPTConfig | None:
-    """The ``GPTConfig`` of a ``px.TrainState`` holding a ``px.models.GPT`` (else None)."""
+def model_config(state) -> GPTConfig | LlamaConfig | None:
+    """The config of a ``px.TrainState`` holding a ``px.models.GPT`` or ``Llama`` (else None)."""
     graphdef = getattr(state, "graphdef", None)
     if graphdef is None:
         return None
@@ -149,7 +152,7 @@ def model_config(state) -> GPTConfig | None:
     except Exception:  # noqa: BLE001 (a model that cannot be rebuilt has no config to read)
         return None
     config = getattr(model, "config", None)
-    return config if isinstance(config, GPTConfig) else None
+    return config if isinstance(config, (GPTConfig, LlamaConfig)) else None
 
 
 def read_setting(mesh, strategy: Strategy, state, batch, config: GPTConfig | None = None,

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import Mesh
 
 from parallax.step import batch as batch_lib
-from parallax import context, layout
+from parallax import context, layout, loss_scale
 from parallax.step import finite_check, boundary_checks
 from parallax.mesh import describe
 from parallax.step.placement import checked_strategy
@@ -73,7 +73,8 @@ class TrainStep:
         """The step as ``jit`` traces it: checks, the strategy's context, the layout."""
         self._check(batch)
         state_sh = self.state_shardings(state)
-        with context.activate(self._context), finite_check.scope(self.check_finite) as records:
+        with context.activate(self._context), loss_scale.scale_of(state), \
+                finite_check.scope(self.check_finite) as records:
             finite_check.record("batch ", batch)
             out = self.fn(state, batch, *args)
         if not (isinstance(out, tuple) and len(out) == 2):

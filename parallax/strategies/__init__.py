@@ -18,12 +18,15 @@ tensor and sequence      tensor.py,            rules and MegatronCheck;      tes
 gradient accumulation    accumulate.py         parallax.grad.microbatches           test_equivalence
 pipeline (GPipe, 1F1B,   pipeline.py           parallax.pipeline: schedules, test_pipeline_strategy,
 interleaved, ZB, V)                            runtime, weight versions      pipeline/
+mixed precision          precision.py          casts in parallax.grad;       test_precision
+                                               parallax.loss_scale
 =======================  ====================  ============================  ==================
 """
 
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation
 from parallax.strategies.data import DataParallel as DataParallel
 from parallax.strategies.pipeline import Pipeline as Pipeline
+from parallax.strategies.precision import MixedPrecision as MixedPrecision
 from parallax.strategies.reduce_to_one import ReduceToOne as ReduceToOne
 from parallax.strategies.sync import BucketedSync as BucketedSync
 from parallax.strategies.tensor import TensorParallel as TensorParallel

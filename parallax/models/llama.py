@@ -1,0 +1,211 @@
+"""A Llama-family decoder in Flax NNX, with stacked (scanned) blocks like ``px.models.GPT``.
+
+Pre-norm blocks (RMSNorm -> grouped-query attention with rotary positions -> residual,
+RMSNorm -> SwiGLU MLP -> residual), no position table, no biases, a final RMSNorm and an
+untied output projection (tied optionally). Blocks are built with ``nnx.vmap`` (a leading
+``"layers"`` axis) and run with ``nnx.scan``; parameters and activations name logical axes
+only, so every strategy that applies to the GPT (DP, ZeRO 1/2/3, HSDP, tensor and sequence
+parallelism, pipelines via :data:`llama_stages`) applies here. ``px.models.next_token_loss``
+is its loss.
+
+Tensor-parallel plan (Megatron's layout, as data in :data:`TENSOR_PLAN`): q column
+parallel by heads, k/v by key/value heads (replicated when fewer than the tensor ranks),
+o row parallel; gate and up column parallel, down row parallel; embedding and head
+vocabulary parallel. The logical names the layers carry are that plan, so
+``px.TensorParallel("tensor")`` needs no ``plan=``.
+
+References:
+  Touvron et al., "LLaMA", 2023 and "Llama 2", 2023; Dubey et al., "The Llama 3 Herd of
+  Models", 2024; Hugging Face transformers ``LlamaForCausalLM`` (the layout of the weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallax.activations import constrain
+from parallax.models.gpt import check_sequence, check_token_ids
+from parallax.models.gpt_pipeline import head_loss
+from parallax.models.layers import annotated_param, gather_sequence
+from parallax.models.llama_config import LlamaConfig
+from parallax.models.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
+from parallax.models.padding import mask_padded_logits, padded_init
+from parallax.models.rope import rope_frequencies
+from parallax.pipeline.stages import Stages
+from parallax.step import finite_check
+
+RESIDUAL = ("batch", "sequence", "embed")
+WHOLE_SEQUENCE = ("batch", None, "embed")
+
+# Megatron's styles of the Llama's weights (torchtitan's plan for its Llama, by our paths).
+TENSOR_PLAN = {
+    "embed": "vocab",
+    "blocks.attn.query": "colwise",
+    "blocks.attn.key": "colwise",
+    "blocks.attn.value": "colwise",
+    "blocks.attn.out": "rowwise",
+    "blocks.mlp.gate": "colwise",
+    "blocks.mlp.up": "colwise",
+    "blocks.mlp.down": "rowwise",
+    "blocks.*_norm": "sequence",
+    "norm": "sequence",
+    "head": "vocab",
+}
+
+
+def token_positions(seq_len: int) -> jax.Array:
+    """Each token's position in its sequence, ``jnp.arange(seq_len)``: what RoPE rotates by.
+
+    The one place the Llama reads positions: a strategy that splits the sequence over
+    devices (context parallelism) gives the global index of its local tokens by replacing
+    this function's result, not the model's code.
+
+    Example:
+      >>> token_positions(4).tolist()
+      [0, 1, 2, 3]
+    """
+    return jnp.arange(seq_len)
+
+
+class LlamaBlock(nnx.Module):
+    """One pre-norm Llama block; ``Llama`` holds L of them stacked on a leading axis."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c, kw = config, dict(dtype=config.dtype, param_dtype=config.param_dtype)
+        inv_freq = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.attn_norm = RMSNorm(c.embed_dim, epsilon=c.norm_eps, **kw)
+        self.attn = GroupedQueryAttention(c.embed_dim, c.num_heads, c.num_kv_heads, inv_freq,
+                                          rngs=rngs, **kw)
+        self.mlp_norm = RMSNorm(c.embed_dim, epsilon=c.norm_eps, **kw)
+        self.mlp = SwiGLU(c.embed_dim, c.mlp_dim, rngs=rngs, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return llama_block_forward(self, x)
+
+
+def llama_block_forward(block: LlamaBlock, x: jax.Array) -> jax.Array:
+    """Applies one Llama block (unstacked params) to the residual stream ``[B, T, D]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.models import LlamaConfig
+      >>> block = LlamaBlock(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> llama_block_forward(block, jnp.ones((2, 8, 64))).shape
+      (2, 8, 64)
+    """
+    positions = token_positions(x.shape[1])
+    x = constrain(x + block.attn(block.attn_norm(x), positions), RESIDUAL)
+    return constrain(x + block.mlp(block.mlp_norm(x)), RESIDUAL)
+
+
+class Llama(nnx.Module):
+    """Llama-family decoder-only language model with stacked, scanned blocks.
+
+    Args:
+      config: a ``LlamaConfig``.
+      rngs: the ``nnx.Rngs`` to initialise from (stream ``params``).
+
+    Returns:
+      Calling the module on int tokens ``[B, T]`` gives float32 logits
+      ``[B, T, padded_vocab_size]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.models import Llama, LlamaConfig
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+      (2, 16, 256)
+
+    References:
+      Touvron et al., 2023 (LLaMA); Dubey et al., 2024 (Llama 3).
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"Llama: config must be a LlamaConfig, got {type(config).__name__}; "
+                            "e.g. Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)).")
+        self.config = c = config
+        init, v, d, pd = nnx.initializers.normal(0.02), c.padded_vocab_size, c.embed_dim, \
+            c.param_dtype
+        rows = padded_init(init, c.vocab_size) if v > c.vocab_size else init
+        self.embed = annotated_param(rows, rngs.params(), (v, d), ("vocab", "embed"), pd)
+
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs):
+            return LlamaBlock(c, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.norm = RMSNorm(d, epsilon=c.norm_eps, dtype=c.dtype, param_dtype=pd)
+        if c.tie_embeddings:
+            self.head = None  # the logits reuse embed
+        else:
+            cols = padded_init(init, c.vocab_size, axis=1) if v > c.vocab_size else init
+            self.head = annotated_param(cols, rngs.params(), (d, v), ("embed", "vocab"), pd)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings: int ``[B, T]`` -> residual stream ``[B, T, D]``."""
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"Llama.embed: tokens must be integer ids, got dtype {tokens.dtype}.")
+        if tokens.ndim != 2:
+            raise ValueError(f"Llama.embed: tokens must be [batch, seq], got "
+                             f"{list(tokens.shape)}.")
+        seq, vocab = tokens.shape[1], self.config.vocab_size
+        if seq > self.config.max_seq_len:
+            raise ValueError(
+                f"Llama.embed: sequence length {seq} exceeds max_seq_len="
+                f"{self.config.max_seq_len}; shorten the input or raise LlamaConfig.max_seq_len.")
+        check_sequence("Llama.embed", seq)
+        check_token_ids("Llama.embed", tokens, vocab)
+        finite_check.require(f"Llama.embed: token ids within [0, {vocab})",
+                             lambda: ((tokens >= 0) & (tokens < vocab)).all())
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.dtype)
+        # As the GPT: all-reduce the vocabulary-parallel lookup, then split the sequence.
+        return constrain(gather_sequence(x, WHOLE_SEQUENCE), RESIDUAL)
+
+    def apply_blocks(self, x: jax.Array) -> jax.Array:
+        """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``."""
+
+        layers = {nnx.PARTITION_NAME: "layers"}
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=layers)
+        def body(x: jax.Array, block: LlamaBlock) -> jax.Array:
+            return llama_block_forward(block, x)
+
+        return body(x, self.blocks)
+
+    def unembed(self, x: jax.Array) -> jax.Array:
+        """Final RMSNorm and output projection: ``[B, T, D]`` -> float32 logits ``[B, T, V]``."""
+        x = gather_sequence(self.norm(x), WHOLE_SEQUENCE)
+        if self.head is None:
+            w, spec = self.embed[...], "btd,vd->btv"
+        else:
+            w, spec = self.head[...], "btd,dv->btv"
+        logits = jnp.einsum(spec, x, w.astype(self.config.dtype),
+                            preferred_element_type=jnp.float32)
+        if self.config.padded_vocab_size > self.config.vocab_size:
+            logits = mask_padded_logits(logits, self.config.vocab_size)
+        return constrain(logits, ("batch", None, "vocab"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.unembed(self.apply_blocks(self.embed_tokens(tokens)))
+
+
+def _first(model: Llama, batch: Mapping[str, jax.Array]) -> jax.Array:
+    tokens = batch["tokens"]
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"llama_stages: batch['tokens'] must have shape [batch, seq + 1] with "
+                         f"seq >= 1, got {list(tokens.shape)}.")
+    return model.embed_tokens(tokens[:, :-1])
+
+
+# ``next_token_loss`` split for ``px.Pipeline``: embedding first, one block per stage step,
+# final norm, head and the loss (``next_token_loss``'s own code) last.
+llama_stages = Stages(first=_first, stage=llama_block_forward, last=head_loss,
+                      layers=lambda model: model.blocks)

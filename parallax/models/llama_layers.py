@@ -1,0 +1,145 @@
+"""The Llama's blocks: RMSNorm, grouped-query attention with RoPE, the SwiGLU MLP.
+
+Built from :mod:`parallax.models.layers` (``Dense``, ``annotated_param``), with the same
+logical names as the GPT's layers: query heads ``"heads"`` (split under tensor
+parallelism), key/value heads ``"kv_heads"`` (split when they divide the tensor size,
+replicated otherwise, as ``px.TensorParallel`` treats grouped-query attention), the MLP's
+hidden width ``"mlp"``. No biases anywhere.
+
+References:
+  Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019; Ainslie et al., "GQA",
+  2023; Shazeer, "GLU Variants Improve Transformer", 2020 (SwiGLU); Touvron et al.,
+  "LLaMA", 2023 (the block).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from parallax.activations import constrain
+from parallax.attention import dot_product_attention
+from parallax.models.layers import HEADS, Dense, Names, annotated_param, gather_sequence
+from parallax.models.rope import apply_rotary
+
+Initializer = nnx.initializers.Initializer
+KV_HEADS = ("batch", None, "kv_heads", "kv")
+WHOLE_SEQUENCE = ("batch", None, "embed")
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last dimension, statistics in float32.
+
+    Args:
+      features: size of the normalised (last) dimension.
+      names: its logical name (``("embed",)``).
+      epsilon: added to the mean square (1e-5 as Llama).
+      dtype: output dtype; None keeps the input's.
+      param_dtype: storage dtype of ``scale`` (ones).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from parallax.models.llama_layers import RMSNorm
+      >>> y = RMSNorm(2)(jnp.array([[3.0, 4.0]]))   # rms = sqrt(12.5)
+      >>> bool(jnp.allclose(y, jnp.array([[3.0, 4.0]]) / 12.5 ** 0.5, atol=1e-6))
+      True
+    """
+
+    def __init__(self, features: int, names: Names = ("embed",), *, epsilon: float = 1e-5,
+                 dtype: jnp.dtype | None = None, param_dtype: jnp.dtype = jnp.float32):
+        self.scale = annotated_param(nnx.initializers.ones, None, (features,), names,
+                                     param_dtype)
+        self.epsilon = epsilon
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = jnp.asarray(x, jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return jnp.asarray(y * jnp.asarray(self.scale[...], jnp.float32), self.dtype or x.dtype)
+
+
+class GroupedQueryAttention(nnx.Module):
+    """Causal self-attention with H query heads sharing G key/value heads, and RoPE.
+
+    Called as ``attn(x, positions)`` with each token's position ``[T]``
+    (``parallax.models.llama.token_positions``).
+    The attention core is ``parallax.attention.dot_product_attention``, which takes k/v with
+    fewer heads, so a context-parallel strategy that replaces it applies here too.
+
+    Args:
+      embed_dim: D.
+      num_heads: H; head_dim K = D / H.
+      num_kv_heads: G, dividing H.
+      inv_freq: RoPE's inverse frequencies ``[K / 2]`` (``rope_frequencies``).
+      rngs: the ``nnx.Rngs`` for the kernels.
+      kernel_init: init of the kernels.
+      dtype: compute dtype; None keeps the input's.
+      param_dtype: storage dtype of the params.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.models.llama_layers import GroupedQueryAttention
+      >>> from parallax.models.rope import rope_frequencies
+      >>> attn = GroupedQueryAttention(8, 2, 1, rope_frequencies(4), rngs=nnx.Rngs(0))
+      >>> attn(jnp.ones((1, 5, 8)), jnp.arange(5)).shape
+      (1, 5, 8)
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, inv_freq: np.ndarray,
+                 *, rngs: nnx.Rngs,
+                 kernel_init: Initializer = nnx.initializers.normal(0.02),
+                 dtype: jnp.dtype | None = None, param_dtype: jnp.dtype = jnp.float32):
+        d, h, g, k = embed_dim, num_heads, num_kv_heads, embed_dim // num_heads
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=False,
+                  kernel_init=kernel_init)
+        self.query = Dense((d,), (h, k), ("embed", "heads", "kv"), **kw)
+        self.key = Dense((d,), (g, k), ("embed", "kv_heads", "kv"), **kw)
+        self.value = Dense((d,), (g, k), ("embed", "kv_heads", "kv"), **kw)
+        self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), **kw)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = gather_sequence(x, WHOLE_SEQUENCE)
+        inv_freq = np.asarray(self.inv_freq, np.float32)
+        q = constrain(apply_rotary(self.query(x), positions, inv_freq), HEADS)
+        k = constrain(apply_rotary(self.key(x), positions, inv_freq), KV_HEADS)
+        v = constrain(self.value(x), KV_HEADS)
+        y = dot_product_attention(q, k, v, causal=True)  # [B, T, H, K]
+        return self.out(constrain(y, HEADS))
+
+
+class SwiGLU(nnx.Module):
+    """Llama's MLP: ``down(silu(gate(x)) * up(x))``; gate and up column parallel, down row.
+
+    Args:
+      embed_dim: D.
+      mlp_dim: F, the hidden width (named ``"mlp"``).
+      rngs: the ``nnx.Rngs`` for the kernels.
+      kernel_init: init of the kernels.
+      dtype: compute dtype; None keeps the input's.
+      param_dtype: storage dtype of the params.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.models.llama_layers import SwiGLU
+      >>> SwiGLU(8, 16, rngs=nnx.Rngs(0))(jnp.ones((1, 5, 8))).shape
+      (1, 5, 8)
+    """
+
+    def __init__(self, embed_dim: int, mlp_dim: int, *, rngs: nnx.Rngs,
+                 kernel_init: Initializer = nnx.initializers.normal(0.02),
+                 dtype: jnp.dtype | None = None, param_dtype: jnp.dtype = jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=False,
+                  kernel_init=kernel_init)
+        self.gate = Dense((embed_dim,), (mlp_dim,), ("embed", "mlp"), **kw)
+        self.up = Dense((embed_dim,), (mlp_dim,), ("embed", "mlp"), **kw)
+        self.down = Dense((mlp_dim,), (embed_dim,), ("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = gather_sequence(x, WHOLE_SEQUENCE)
+        hidden = jax.nn.silu(self.gate(x)) * self.up(x)
+        return self.down(constrain(hidden, ("batch", None, "mlp")))

@@ -1,0 +1,114 @@
+"""A mixed-precision policy: the dtypes parameters are kept, computed, differentiated and summed in.
+
+A :class:`Policy` is a value (JMP's idea): ``params`` is the dtype the trained parameters
+are stored in (the fp32 master copy), ``compute`` the dtype of the forward and backward
+passes (parameters and floating batch leaves are cast to it; the loss comes back in
+float32), ``grads`` the dtype of the gradients ``px.value_and_grad`` returns, and
+``reduce`` the dtype their cross-device sum travels in. The gradient with respect to the
+master parameters comes out through the cast, so autodiff needs nothing special. float16
+needs loss scaling (:mod:`parallax.loss_scale`); ``loss_scale="dynamic"`` is its default
+there.
+
+References:
+  Micikevicius et al., "Mixed Precision Training", ICLR 2018 (fp32 master weights, loss
+  scaling); DeepMind JMP (``jmp.Policy``, ``jmp.DynamicLossScale``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from parallax.rules import readable_path
+
+FLOATS = ("float32", "bfloat16", "float16")
+LOSS_SCALES = ("dynamic", None)
+
+
+def dtype_name(api: str, field: str, value) -> str:
+    """The canonical name of a floating dtype (``"bfloat16"``), or a pinned error."""
+    try:
+        name = jnp.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in FLOATS:
+        raise ValueError(f"{api}: {field}={value!r} is not a floating dtype parallax computes "
+                         f"in; use one of {FLOATS} (a name or a jnp dtype).")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Dtypes of a training step (see the module docstring); validated on creation.
+
+    Args:
+      params: storage dtype of the trained parameters (the master copy).
+      compute: dtype of the forward and backward passes.
+      grads: dtype of the gradients handed to the optimizer.
+      reduce: dtype of the cross-device gradient sum (explicit style).
+      loss_scale: ``"dynamic"`` (scale the loss, skip steps whose gradients overflow) or
+        None; ``"default"`` is dynamic for float16 compute and None otherwise.
+
+    Example:
+      >>> Policy(compute="bfloat16").describe()
+      'params=float32, compute=bfloat16, grads=float32, reduce=float32'
+    """
+
+    params: str = "float32"
+    compute: str = "float32"
+    grads: str = "float32"
+    reduce: str = "float32"
+    loss_scale: str | None = "default"
+
+    def __post_init__(self):
+        api = "px.MixedPrecision"
+        for field in ("params", "compute", "grads", "reduce"):
+            object.__setattr__(self, field, dtype_name(api, field, getattr(self, field)))
+        scale = self.loss_scale
+        if scale == "default":
+            scale = "dynamic" if self.compute == "float16" else None
+        if scale not in LOSS_SCALES:
+            raise ValueError(f"{api}: loss_scale={self.loss_scale!r} must be 'dynamic' or None "
+                             "(float16 compute defaults to 'dynamic').")
+        object.__setattr__(self, "loss_scale", scale)
+
+    def describe(self) -> str:
+        return (f"params={self.params}, compute={self.compute}, grads={self.grads}, "
+                f"reduce={self.reduce}")
+
+    def to_compute(self, tree):
+        """Floating leaves of ``tree`` cast to ``compute`` (integers, keys untouched)."""
+        return cast_floating(tree, self.compute)
+
+    def check_params(self, params, api: str) -> None:
+        """Raises unless every floating parameter is stored in ``params``."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and \
+                    jnp.dtype(dtype).name != self.params:
+                raise TypeError(
+                    f"{api}: parameter {readable_path(path)} is stored as "
+                    f"{jnp.dtype(dtype).name}, but the precision policy ({self.describe()}) "
+                    f"keeps parameters in {self.params}. Create the model with "
+                    f"param_dtype={self.params} (the master copy), or set "
+                    f"px.MixedPrecision(params={jnp.dtype(dtype).name!r}).")
+
+
+def cast_floating(tree, dtype):
+    """Every floating array leaf of ``tree`` cast to ``dtype``; other leaves unchanged.
+
+    Example:
+      >>> out = cast_floating({"w": jnp.ones(2), "n": jnp.int32(3)}, "bfloat16")
+      >>> str(out["w"].dtype), str(out["n"].dtype)
+      ('bfloat16', 'int32')
+    """
+    def cast(x):
+        dtype_of = getattr(x, "dtype", None)
+        if dtype_of is not None and jnp.issubdtype(dtype_of, jnp.floating):
+            return jnp.asarray(x, dtype) if not isinstance(x, np.ndarray) else x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)

@@ -1,4 +1,5 @@
-"""px.models.Llama against Hugging Face's LlamaForCausalLM with the same weights (1e-5).
+"""px.models.Llama against Hugging Face's LlamaForCausalLM with the same weights (1e-5),
+loaded with px.models.from_pretrained from transformers' own files and saved back.
 
 Skipped unless ``transformers`` and ``torch`` are installed (neither is a dependency).
 """
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import parallax as px
 from parallax.models import Llama, LlamaConfig, RopeScaling
 
 torch = pytest.importorskip("torch")
@@ -30,47 +32,33 @@ def _hf_model(c: LlamaConfig):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def _copy_weights(hf, model: Llama):
-    """Hugging Face's ``[out, in]`` matrices into the Llama's ``[in, (heads,) out]`` kernels."""
-    c = model.config
-    d, h, g, k = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
-    w = {name: p.detach().numpy() for name, p in hf.named_parameters()}
-    layers = [f"model.layers.{i}." for i in range(c.num_layers)]
-
-    def stack(name, fn):
-        return np.stack([fn(w[prefix + name]) for prefix in layers])
-
-    b = model.blocks
-    b.attn.query.kernel[...] = stack("self_attn.q_proj.weight", lambda x: x.T.reshape(d, h, k))
-    b.attn.key.kernel[...] = stack("self_attn.k_proj.weight", lambda x: x.T.reshape(d, g, k))
-    b.attn.value.kernel[...] = stack("self_attn.v_proj.weight", lambda x: x.T.reshape(d, g, k))
-    b.attn.out.kernel[...] = stack("self_attn.o_proj.weight", lambda x: x.T.reshape(h, k, d))
-    b.mlp.gate.kernel[...] = stack("mlp.gate_proj.weight", lambda x: x.T)
-    b.mlp.up.kernel[...] = stack("mlp.up_proj.weight", lambda x: x.T)
-    b.mlp.down.kernel[...] = stack("mlp.down_proj.weight", lambda x: x.T)
-    b.attn_norm.scale[...] = stack("input_layernorm.weight", lambda x: x)
-    b.mlp_norm.scale[...] = stack("post_attention_layernorm.weight", lambda x: x)
-    model.embed[...] = w["model.embed_tokens.weight"]
-    model.norm.scale[...] = w["model.norm.weight"]
-    if model.head is not None:
-        model.head[...] = w["lm_head.weight"].T
-
-
 @pytest.mark.parametrize("config", [
     LlamaConfig.tiny(),  # grouped-query attention, Llama 3.1's RoPE scaling, untied head
     LlamaConfig.tiny(num_kv_heads=4, rope_scaling=None, rope_theta=500000.0,
                      tie_embeddings=True),
 ], ids=["gqa-llama3-rope", "mha-tied"])
-def test_same_logits_as_hugging_face(config):
+def test_same_logits_as_hugging_face(config, tmp_path):
+    """transformers' own files -> px.models.from_pretrained (sharded), and back."""
     hf = _hf_model(config)
-    model = Llama(config, rngs=nnx.Rngs(0))
-    _copy_weights(hf, model)
+    hf.save_pretrained(tmp_path / "hf")
+    mesh = px.make_mesh(data=2, fsdp=2, tensor=2)
+    strategy = px.compose(px.DataParallel("data"), px.FSDP("fsdp"), px.TensorParallel("tensor"))
+    model = px.models.from_pretrained(tmp_path / "hf", mesh=mesh, strategy=strategy,
+                                      max_seq_len=config.max_seq_len)
+    assert model.config == config
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 48))
     with torch.no_grad():
         expected = hf(torch.from_numpy(tokens)).logits.numpy()
-    logits = np.asarray(model(tokens.astype(np.int32)))
-    scale = np.abs(expected).max()
-    assert np.abs(logits - expected).max() <= 1e-5 * max(scale, 1.0)
+    scale = max(np.abs(expected).max(), 1.0)
+    assert np.abs(np.asarray(model(tokens.astype(np.int32))) - expected).max() <= 1e-5 * scale
+
+    ours = Llama(config, rngs=nnx.Rngs(7))  # and ours, saved, into transformers
+    px.models.save_pretrained(tmp_path / "ours", ours)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        theirs = back(torch.from_numpy(tokens)).logits.numpy()
+    assert np.abs(np.asarray(ours(tokens.astype(np.int32))) - theirs).max() <= 1e-5 * max(
+        np.abs(theirs).max(), 1.0)
 
 
 def test_rope_scaling_fields_are_hugging_faces():

@@ -81,6 +81,20 @@ def test_vocabulary_padding_and_sharded_index_files(tmp_path):
     np.testing.assert_allclose(loaded(TOKENS), model(TOKENS), rtol=1e-6)
 
 
+def test_llama_save_then_load_with_a_padded_untied_head(tmp_path):
+    config = px.models.LlamaConfig(vocab_size=96, max_seq_len=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, embed_dim=32, mlp_dim=64,
+                                   vocab_pad_multiple=64)  # head [D, 128] from lm_head [96, D]
+    model = px.models.Llama(config, rngs=nnx.Rngs(0))
+    save_pretrained(tmp_path, model)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
+    loaded = from_pretrained(tmp_path, mesh=px.make_mesh(**MESH_AXES), strategy=strategy(),
+                             vocab_pad_multiple=64)
+    assert loaded.config == config
+    jax.tree.map(np.testing.assert_array_equal, params(loaded), params(model))
+    np.testing.assert_allclose(loaded(TOKENS), model(TOKENS), rtol=1e-5, atol=1e-6)
+
+
 def test_dtype_casts_the_stored_parameters(tmp_path):
     save_pretrained(tmp_path, ours())
     loaded = from_pretrained(tmp_path, dtype=jnp.bfloat16)

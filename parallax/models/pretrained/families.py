@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import ModuleType
 
-from parallax.models.pretrained import gpt2
+from parallax.models.pretrained import gpt2, llama
 
-FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2}
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama}
 
 
 def for_config(config: Mapping, api: str) -> ModuleType:

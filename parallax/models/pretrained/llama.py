@@ -1,0 +1,148 @@
+"""Llama in Hugging Face's layout (``LlamaForCausalLM``) and ours (``px.models.Llama``).
+
+| Hugging Face | ours | how |
+|---|---|---|
+| ``model.embed_tokens.weight [V, D]`` | ``embed [V', D]`` | padded rows zero |
+| ``model.layers.i.input_layernorm.weight`` | ``blocks.attn_norm.scale`` | |
+| ``model.layers.i.self_attn.q_proj.weight [H*K, D]`` | ``blocks.attn.query.kernel [L, D, H, K]`` | ``nn.Linear`` stores ``[out, in]``: transposed |
+| ``... k_proj / v_proj [G*K, D]`` | ``blocks.attn.key / value.kernel [L, D, G, K]`` | transposed; RoPE's "rotate half" pairing is transformers' own, so no permutation |
+| ``... o_proj [D, H*K]`` | ``blocks.attn.out.kernel [L, H, K, D]`` | transposed |
+| ``model.layers.i.post_attention_layernorm.weight`` | ``blocks.mlp_norm.scale`` | |
+| ``... mlp.gate_proj / up_proj [F, D]``, ``down_proj [D, F]`` | ``blocks.mlp.gate / up / down.kernel`` | transposed |
+| ``model.norm.weight`` | ``norm.scale`` | |
+| ``lm_head.weight [V, D]`` | ``head [D, V']`` (untied) | transposed; absent when tied |
+
+RoPE settings are read from ``rope_scaling`` (transformers 4) or ``rope_parameters``
+(transformers 5): ``rope_type`` ``default`` or ``llama3``.
+
+References:
+  Hugging Face transformers, ``models/llama/modeling_llama.py`` and
+  ``configuration_llama.py``; ``modeling_rope_utils._compute_llama3_parameters``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from parallax.models.llama import Llama
+from parallax.models.llama_config import LlamaConfig
+from parallax.models.pretrained.pieces import Piece
+from parallax.models.rope import RopeScaling
+
+API = "px.models.from_pretrained"
+MODEL = Llama
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def _rope(hf: Mapping) -> tuple[float, RopeScaling | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    merged = params | scaling
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"{API}: Llama rope_type {kind!r} is not supported; parallax's Llama "
+                         "computes the 'default' and 'llama3' RoPE frequencies only.")
+    return theta, RopeScaling(
+        factor=float(merged["factor"]), low_freq_factor=float(merged["low_freq_factor"]),
+        high_freq_factor=float(merged["high_freq_factor"]),
+        original_max_position_embeddings=int(merged["original_max_position_embeddings"]))
+
+
+def config_from_hf(hf: Mapping, **overrides: Any) -> LlamaConfig:
+    """Our ``LlamaConfig`` from a Llama ``config.json``."""
+    for key, allowed, default in (("hidden_act", ("silu",), "silu"),
+                                  ("attention_bias", (False,), False),
+                                  ("mlp_bias", (False,), False)):
+        if hf.get(key, default) not in allowed:
+            raise ValueError(f"{API}: Llama config {key}={hf.get(key)!r} is not supported; "
+                             f"parallax's Llama has {key} in {allowed} only.")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, d // h):
+        raise ValueError(f"{API}: Llama config head_dim={hf['head_dim']} differs from "
+                         f"hidden_size / num_attention_heads = {d // h}; parallax's Llama "
+                         "derives the head size from them.")
+    theta, scaling = _rope(hf)
+    sizes = dict(vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+                 num_layers=hf["num_hidden_layers"], num_heads=h,
+                 num_kv_heads=hf.get("num_key_value_heads") or h, embed_dim=d,
+                 mlp_dim=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
+                 norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    return LlamaConfig(**(sizes | overrides))
+
+
+def config_to_hf(c: LlamaConfig) -> dict:
+    """A Llama ``config.json`` for ``c`` (both RoPE spellings, for transformers 4 and 5)."""
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling is not None:
+        s = c.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": c.rope_theta, "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+    out = {"model_type": "llama", "architectures": [ARCHITECTURE], "vocab_size": c.vocab_size,
+           "hidden_size": c.embed_dim, "intermediate_size": c.mlp_dim,
+           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+           "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+           "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+           "tie_word_embeddings": c.tie_embeddings, "rope_theta": c.rope_theta,
+           "rope_parameters": rope}
+    if c.rope_scaling is not None:
+        out["rope_scaling"] = dict(rope)
+    return out
+
+
+def pieces(c: LlamaConfig, names) -> tuple[dict[str, Piece], dict]:
+    """Our leaves -> their pieces: top-level leaves, and per-layer ones."""
+    d, h, g, k, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
+    v, vp = c.vocab_size, c.padded_vocab_size
+    top = {"embed": Piece("model.embed_tokens.weight", (vp,), (d,), rows_stored=v),
+           "norm.scale": Piece("model.norm.weight", (), (d,))}
+    if not c.tie_embeddings:
+        top["head"] = Piece("lm_head.weight", (d,), (vp,), transpose=True, cols_stored=v)
+
+    def layer(i: int) -> dict[str, Piece]:
+        b = f"model.layers.{i}."
+        return {
+            "blocks.attn_norm.scale": Piece(f"{b}input_layernorm.weight", (), (d,)),
+            "blocks.mlp_norm.scale": Piece(f"{b}post_attention_layernorm.weight", (), (d,)),
+            "blocks.attn.query.kernel": Piece(f"{b}self_attn.q_proj.weight", (d,), (h, k), True),
+            "blocks.attn.key.kernel": Piece(f"{b}self_attn.k_proj.weight", (d,), (g, k), True),
+            "blocks.attn.value.kernel": Piece(f"{b}self_attn.v_proj.weight", (d,), (g, k), True),
+            "blocks.attn.out.kernel": Piece(f"{b}self_attn.o_proj.weight", (h, k), (d,), True),
+            "blocks.mlp.gate.kernel": Piece(f"{b}mlp.gate_proj.weight", (d,), (f,), True),
+            "blocks.mlp.up.kernel": Piece(f"{b}mlp.up_proj.weight", (d,), (f,), True),
+            "blocks.mlp.down.kernel": Piece(f"{b}mlp.down_proj.weight", (f,), (d,), True),
+        }
+
+    return top, {i: layer(i) for i in range(c.num_layers)}
+
+
+def ignored(name: str) -> bool:
+    """Rotary caches of old files; the head when tied."""
+    return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
+
+
+def export(c: LlamaConfig, leaves: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Our leaves (dotted names, host arrays) -> Llama's tensors, as transformers saves them."""
+    d, v = c.embed_dim, c.vocab_size
+    out = {"model.embed_tokens.weight": leaves["embed"][:v], "model.norm.weight": leaves["norm.scale"]}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = leaves["head"][:, :v].T
+    for i in range(c.num_layers):
+        at = {name: leaf[i] for name, leaf in leaves.items() if name.startswith("blocks.")}
+        b = f"model.layers.{i}."
+        out[f"{b}input_layernorm.weight"] = at["blocks.attn_norm.scale"]
+        out[f"{b}post_attention_layernorm.weight"] = at["blocks.mlp_norm.scale"]
+        for ours, theirs in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+            out[f"{b}self_attn.{theirs}.weight"] = at[f"blocks.attn.{ours}.kernel"].reshape(d, -1).T
+        out[f"{b}self_attn.o_proj.weight"] = at["blocks.attn.out.kernel"].reshape(-1, d).T
+        for name in ("gate", "up", "down"):
+            out[f"{b}mlp.{name}_proj.weight"] = at[f"blocks.mlp.{name}.kernel"].T
+    return out

@@ -27,7 +27,7 @@ LAYERS = (
     ("strategies", "models"),
     ("nn",),
     ("planner",),  # predicting and choosing among the strategies
-    ("ps",),  # the originals' APIs
+    ("ps", "rpc"),  # the originals' APIs
     ("horovod", "tf"),
     ("testing", "cli"),  # applications
 )

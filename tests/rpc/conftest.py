@@ -21,9 +21,12 @@ def rpc_group(ray_cluster):
     seconds); see ``group`` for the one a test uses."""
     import parallax.rpc as rpc
 
+    from parallax.rpc.agent import agent_or_none
+
     start(rpc)
     yield rpc
-    rpc.shutdown(timeout=10)
+    if agent_or_none() is not None:  # a test may have shut it down
+        rpc.shutdown(timeout=10)
 
 
 @pytest.fixture
@@ -32,7 +35,10 @@ def group(rpc_group):
     rpc = rpc_group
     try:
         rpc.wait_all([rpc.rpc_async(name, rpc_testing.pid, timeout=10) for name in NAMES], 10)
-    except Exception:
-        rpc.shutdown(graceful=False)
+    except Exception:  # a worker was killed, or the group shut down
+        try:
+            rpc.shutdown(graceful=False)
+        except RuntimeError:
+            pass  # already shut down
         start(rpc)
     return rpc

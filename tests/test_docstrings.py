@@ -26,6 +26,11 @@ PARAMS = [pytest.param(m, marks=pytest.mark.xdist_group("ray")) if m.startswith(
 def test_examples_run(name, request):
     if name.startswith(RAY):
         request.getfixturevalue("ray_cluster")
+    if name.startswith("parallax.rpc."):  # its examples start their own RPC group
+        from parallax.rpc.agent import agent_or_none
+
+        if agent_or_none() is not None:  # tests/rpc's (their fixture restarts it when needed)
+            importlib.import_module("parallax.rpc").shutdown(timeout=10)
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"

@@ -23,6 +23,7 @@ from parallax import old_import_paths as _old_import_paths
 from parallax import pipeline as pipeline
 from parallax import planner as planner
 from parallax import ps as ps
+from parallax import rpc as rpc
 from parallax import rules as rules
 from parallax import testing as testing
 from parallax import tf as tf
@@ -89,6 +90,7 @@ __all__ = [
     "pipeline",
     "planner",
     "ps",
+    "rpc",
     "plan",
     "profile",
     "rules",

@@ -29,7 +29,7 @@ LAYERS = (
     ("nn",),
     ("planner",),  # predicting and choosing among the strategies
     ("metrics",),  # watching a run: throughput, MFU, memory, logs, profiles
-    ("ps",),  # the originals' APIs
+    ("ps", "rpc"),  # the originals' APIs
     ("horovod", "tf"),
     ("testing", "cli"),  # applications
 )

@@ -1,0 +1,37 @@
+"""The Ray actor of one worker: its :class:`WorkerState`, and an agent to call the others."""
+
+from __future__ import annotations
+
+import ray
+
+from parallax.rpc.agent import Agent, set_agent
+from parallax.rpc.worker_state import WorkerState
+
+
+@ray.remote(num_cpus=0, max_concurrency=32)  # threads: a call may call back into this worker
+class RpcWorker:
+    """A worker of an RPC group, in its own process (a named Ray actor of the group's namespace).
+
+    Example:
+      >>> callable(RpcWorker.remote)
+      True
+
+    References:
+      PyTorch, ``torch.distributed.rpc``: one RPC agent per worker process, with a thread
+      pool serving incoming calls.
+    """
+
+    def __init__(self, name: str, names: tuple):
+        self.name, self.names = name, names
+        self.state = WorkerState(name)
+
+    def connect(self, handles: dict) -> int:
+        """Learns the group's actors; from here on, code running here may call the others."""
+        others = {n: h for n, h in handles.items() if n != self.name}
+        set_agent(Agent(self.name, self.names, others, self.state, actors={}, in_actor=True))
+        return self.state.pid()
+
+    def dispatch(self, method: str, after, *args):
+        """Runs ``WorkerState.<method>(*args)`` (``after``, an object Ray waited for, unused)."""
+        del after
+        return getattr(self.state, method)(*args)

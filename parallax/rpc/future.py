@@ -1,0 +1,158 @@
+"""``Future``: the result of an asynchronous call, with ``wait``, ``then``, ``collect_all``.
+
+A thin layer over :class:`concurrent.futures.Future` with PyTorch's method names and a
+deadline: a future made with ``timeout`` completes with :class:`RPCTimeoutError` once it has
+waited that long, whether or not anyone is waiting on it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from parallax.rpc.errors import RPCTimeoutError
+
+
+class Future:
+    """A value that a call will produce: ``wait()`` for it, or chain work with ``then``.
+
+    Args:
+      timeout: seconds after which the future fails with :class:`RPCTimeoutError`; None or
+        0 waits forever.
+      describe: the call's name in error messages.
+
+    Example:
+      >>> f = Future()
+      >>> g = f.then(lambda done: done.wait() + 1)
+      >>> f.set_result(41)
+      >>> g.wait(timeout=5)
+      42
+
+    References:
+      PyTorch, ``torch.futures.Future`` (``wait``, ``then``, ``done``, ``value``,
+      ``set_result``, ``add_done_callback``).
+    """
+
+    def __init__(self, *, timeout: float | None = None, describe: str = "the call"):
+        self._inner: concurrent.futures.Future = concurrent.futures.Future()
+        self._describe = describe
+        self.object_ref = None  # the Ray object of a remote call, when there is one
+        if timeout:
+            timer = threading.Timer(timeout, self._expire, args=(timeout,))
+            timer.daemon = True
+            timer.start()
+            self._inner.add_done_callback(lambda _: timer.cancel())
+
+    def _expire(self, timeout: float) -> None:
+        self.set_exception(RPCTimeoutError(
+            f"parallax.rpc: {self._describe} did not answer within its timeout of {timeout} s; "
+            "pass a larger timeout= (0 waits forever) or look at the callee"))
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The value (blocking until there is one); raises the call's error instead if it failed.
+
+        Args:
+          timeout: seconds to wait here at most (the call's own deadline applies anyway).
+        """
+        try:
+            return self._inner.result(timeout)
+        except concurrent.futures.TimeoutError:  # also the call's own RPCTimeoutError (3.11+)
+            if self._inner.done():
+                raise
+            raise RPCTimeoutError(f"parallax.rpc: waited {timeout} s on {self._describe}, "
+                                  "which has not answered yet") from None
+
+    def value(self) -> Any:
+        """The value of a completed future (raises its error if it failed)."""
+        if not self.done():
+            raise ValueError(f"parallax.rpc: Future.value() on {self._describe}, which has not "
+                             "completed; call wait() instead")
+        return self._inner.result()
+
+    def done(self) -> bool:
+        """Whether the future has a value or an error."""
+        return self._inner.done()
+
+    def set_result(self, value: Any) -> None:
+        """Completes the future with ``value`` (ignored if it already completed)."""
+        try:
+            self._inner.set_result(value)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    def set_exception(self, error: BaseException) -> None:
+        """Completes the future with ``error`` (ignored if it already completed)."""
+        try:
+            self._inner.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    def add_done_callback(self, callback: Callable[[Future], None]) -> None:
+        """Calls ``callback(self)`` once the future completes (at once if it has)."""
+        self._inner.add_done_callback(lambda _: callback(self))
+
+    def then(self, callback: Callable[[Future], Any]) -> Future:
+        """A new future holding ``callback(self)`` once this one completes.
+
+        Args:
+          callback: takes this (completed) future; what it returns, or raises, completes
+            the new one.
+        """
+        chained = Future(describe=f"then() of {self._describe}")
+
+        def run(done: Future) -> None:
+            try:
+                chained.set_result(callback(done))
+            except BaseException as error:  # the new future carries it, as PyTorch's does
+                chained.set_exception(error)
+
+        self.add_done_callback(run)
+        return chained
+
+
+def collect_all(futures: Sequence[Future]) -> Future:
+    """One future that completes, with the list of ``futures``, when all of them have.
+
+    Example:
+      >>> a, b = Future(), Future()
+      >>> both = collect_all([a, b])
+      >>> a.set_result(1); b.set_result(2)
+      >>> [f.value() for f in both.wait(timeout=5)]
+      [1, 2]
+
+    References:
+      PyTorch, ``torch.futures.collect_all``.
+    """
+    futures = list(futures)
+    together = Future(describe=f"collect_all of {len(futures)} futures")
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            together.set_result(futures)
+
+    if not futures:
+        together.set_result([])
+    for future in futures:
+        future.add_done_callback(one_done)
+    return together
+
+
+def wait_all(futures: Sequence[Future], timeout: float | None = None) -> list:
+    """The values of ``futures``, in order; raises the first error among them.
+
+    Example:
+      >>> a = Future(); a.set_result(3)
+      >>> wait_all([a])
+      [3]
+
+    References:
+      PyTorch, ``torch.futures.wait_all``.
+    """
+    return [future.wait(timeout) for future in futures]

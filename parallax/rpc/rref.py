@@ -1,0 +1,178 @@
+"""``RRef``: a reference to a value owned by one worker, usable from any worker.
+
+The owner keeps the value and a count of the RRefs that point at it. An RRef made by
+``remote()`` or ``RRef(value)`` counts once; every copy sent to another worker (pickled)
+counts once more before it leaves; each copy, when Python frees it, tells the owner, which
+frees the value at zero. The creator's release waits for the creating call (Ray runs it
+after that call's result exists), so a value is never freed before it is made.
+
+References:
+  PyTorch, ``torch.distributed.rpc.RRef`` (owner, ``to_here``, ``local_value``,
+  ``rpc_sync()/rpc_async()/remote()`` proxies) and its reference-counting protocol
+  (``rref_context.cpp``: forks counted by the owner, deletes sent when a user RRef dies).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from parallax.rpc.agent import DEFAULT_TIMEOUT, Agent, WorkerInfo, agent_or_none, current_agent
+from parallax.rpc.future import Future
+from parallax.rpc.recording import current_context, tie
+
+
+def _call_method(rref: RRef, method: str, args: tuple, kwargs: dict):
+    """Runs on the owner: ``rref.local_value().<method>(*args, **kwargs)``."""
+    return getattr(rref.local_value(), method)(*args, **kwargs)
+
+
+class RRef:
+    """A remote reference; ``RRef(value)`` owns ``value`` on this worker.
+
+    Args:
+      value: the value this worker will own.
+
+    Example:
+      >>> import parallax.rpc as rpc
+      >>> rpc.init_rpc("solo", rank=0, world_size=1)
+      >>> r = rpc.RRef([1, 2])
+      >>> r.to_here(), r.is_owner(), r.owner().name
+      ([1, 2], True, 'solo')
+      >>> rpc.shutdown()
+
+    References:
+      PyTorch, ``torch.distributed.rpc.RRef``.
+    """
+
+    def __init__(self, value):
+        agent = current_agent("RRef")
+        self._owner, self._id, self._created = agent.name, uuid.uuid4().hex, None
+        agent.state.store(self._id, value)
+
+    @classmethod
+    def _user(cls, owner: str, rref_id: str, created: Future | None) -> RRef:
+        rref = cls.__new__(cls)
+        rref._owner, rref._id, rref._created = owner, rref_id, created
+        return rref
+
+    @classmethod
+    def _user_local(cls, agent: Agent, rref_id: str) -> RRef:
+        agent.state.fork(rref_id)
+        return cls._user(agent.name, rref_id, None)
+
+    def owner(self) -> WorkerInfo:
+        """The owner's :class:`WorkerInfo`."""
+        return current_agent("RRef.owner").info(self._owner, "RRef.owner")
+
+    def owner_name(self) -> str:
+        return self._owner
+
+    def is_owner(self) -> bool:
+        agent = agent_or_none()
+        return agent is not None and agent.name == self._owner
+
+    def _wait_created(self, api: str, timeout: float | None) -> None:
+        if self._created is not None:
+            self._created.wait(timeout)  # raises the creating call's error
+
+    def local_value(self):
+        """The value, on its owner (inside a recorded call, its gradient is kept here)."""
+        agent = current_agent("RRef.local_value")
+        if agent.name != self._owner:
+            raise RuntimeError(f"parallax.rpc.RRef.local_value: called on worker {agent.name!r}, "
+                               f"but the value is owned by {self._owner!r}; use to_here() to "
+                               "copy it here, or rpc_sync() to run code where it lives")
+        self._wait_created("local_value", None)
+        context, state, rref_id = current_context(), agent.state, self._id
+        return tie(state.fetch(rref_id),
+                   lambda cotangent: state.accumulate(context, rref_id, cotangent))
+
+    def to_here(self, timeout: float | None = DEFAULT_TIMEOUT):
+        """A copy of the value on this worker (the value itself on the owner)."""
+        agent = agent_or_none()
+        if agent is None:
+            raise RuntimeError("parallax.rpc.RRef.to_here: RPC was shut down in this process "
+                               f"(or never started): the value of this RRef, owned by "
+                               f"{self._owner!r}, is out of reach; call to_here() before "
+                               "rpc.shutdown()")
+        if agent.name == self._owner:
+            return self.local_value()
+        self._wait_created("to_here", timeout)
+        context, owner, rref_id = current_context(), self._owner, self._id
+        value = agent.call(owner, "fetch", (rref_id,), timeout=timeout,
+                           describe=agent.describe(owner, "RRef.to_here()")).wait()
+        return tie(value, lambda cotangent: agent.call(
+            owner, "accumulate", (context, rref_id, cotangent), timeout=timeout,
+            describe=agent.describe(owner, "a gradient of RRef.to_here()")).wait())
+
+    def rpc_sync(self, timeout: float | None = DEFAULT_TIMEOUT) -> _Proxy:
+        """``rref.rpc_sync().f(x)`` runs ``value.f(x)`` on the owner and returns the result."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float | None = DEFAULT_TIMEOUT) -> _Proxy:
+        """``rref.rpc_async().f(x)``: a Future of ``value.f(x)`` run on the owner."""
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float | None = DEFAULT_TIMEOUT) -> _Proxy:
+        """``rref.remote().f(x)``: an RRef, owned by the owner, of ``value.f(x)``."""
+        return _Proxy(self, "remote", timeout)
+
+    def __reduce__(self):
+        agent = agent_or_none()
+        if agent is not None:  # this copy counts as a user before it leaves
+            if agent.name == self._owner:
+                agent.state.fork(self._id)
+            else:
+                self._wait_created("pickle", DEFAULT_TIMEOUT)
+                agent.call(self._owner, "fork", (self._id,), timeout=DEFAULT_TIMEOUT,
+                           describe=agent.describe(self._owner, "an RRef fork")).wait()
+        return (RRef._user, (self._owner, self._id, None))
+
+    def __del__(self):
+        try:
+            agent = agent_or_none()
+            if agent is None or "_id" not in self.__dict__:
+                return
+            if agent.name == self._owner:
+                agent.state.release(self._id)
+            elif self._owner in agent.handles:
+                after = self._created.object_ref if self._created is not None else None
+                agent.handles[self._owner].dispatch.remote("release", after, self._id)
+        except Exception:  # interpreter or Ray shutting down: nothing left to free
+            pass
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RRef) and (self._owner, self._id) == (other._owner, other._id)
+
+    def __hash__(self) -> int:
+        return hash((self._owner, self._id))
+
+    def __repr__(self) -> str:
+        return f"RRef(owner={self._owner!r}, id={self._id[:8]})"
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` and friends: attribute calls become calls on the RRef's owner."""
+
+    def __init__(self, rref: RRef, mode: str, timeout: float | None):
+        self._rref, self._mode, self._timeout = rref, mode, timeout
+
+    def __getattr__(self, method: str):
+        def call(*args, **kwargs):
+            agent = current_agent(f"RRef.{self._mode}")
+            call_args = (self._rref, method, args, kwargs)
+            if self._mode == "remote":
+                return make_remote(agent, self._rref._owner, _call_method, call_args, {},
+                                   self._timeout)
+            future = agent.rpc_async(f"RRef.{self._mode}", self._rref._owner, _call_method,
+                                     call_args, {}, self._timeout)
+            return future.wait() if self._mode == "rpc_sync" else future
+
+        return call
+
+
+def make_remote(agent: Agent, to, fn, args, kwargs, timeout: float | None) -> RRef:
+    """Runs ``fn`` on ``to``, which keeps the result; returns the RRef to it at once."""
+    rref_id = uuid.uuid4().hex
+    created = agent.rpc_async("remote", to, fn, args, kwargs, timeout, rref_id=rref_id)
+    return RRef._user(agent.info(to, "remote").name, rref_id, created)

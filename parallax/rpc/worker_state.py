@@ -1,0 +1,127 @@
+"""What one worker holds: the values its RRefs own (with user counts), its share of every
+autograd context, its optimizers' states; and how it runs a call."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import jax
+
+from parallax.rpc.functions import ASYNC_EXECUTION
+from parallax.rpc.recording import AutogradStore, Record, execute
+from parallax.rpc.wire import to_host
+
+
+class WorkerState:
+    """One worker's objects; every method is what a call to this worker may run.
+
+    Args:
+      name: the worker's name (for error messages).
+
+    Example:
+      >>> state = WorkerState("w")
+      >>> state.run(lambda x: x + 1, (1,), {}, None, None, "r1")
+      >>> state.fetch("r1"), state.num_owned()
+      (2, 1)
+      >>> state.release("r1"); state.num_owned()
+      0
+
+    References:
+      PyTorch, ``torch.distributed.rpc``'s RRef context on the owner (``OwnerRRef`` values,
+      the fork/delete protocol); its distributed autograd container per worker.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.values: dict[str, object] = {}
+        self.users: dict[str, int] = {}
+        self.autograd = AutogradStore()
+        self.optimizers: dict[str, tuple] = {}
+        self.lock = threading.Lock()
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, context: str | None,
+            call_id: str | None, rref_id: str | None):
+        """Runs a call; keeps the result under ``rref_id`` (for ``remote``) or returns it."""
+        if context is not None and getattr(fn, ASYNC_EXECUTION, False):
+            raise NotImplementedError(
+                f"parallax.rpc: {getattr(fn, '__name__', fn)!r} is @async_execution; "
+                "dist_autograd does not record such calls: call it outside the context")
+        out, parts = execute(self.autograd, fn, args, kwargs, context, call_id)
+        if getattr(fn, ASYNC_EXECUTION, False):
+            out = out.wait()
+        if parts is not None:
+            with self.autograd.lock:
+                self.autograd.records[(context, call_id)] = Record(*parts, rref_id)
+        if rref_id is not None:
+            self.store(rref_id, out)
+            return None
+        return to_host(out)
+
+    def store(self, rref_id: str, value, users: int = 1) -> None:
+        with self.lock:
+            self.values[rref_id] = value
+            self.users[rref_id] = self.users.get(rref_id, 0) + users
+
+    def fetch(self, rref_id: str):
+        with self.lock:
+            if rref_id not in self.values:
+                raise LookupError(f"parallax.rpc: worker {self.name!r} holds no value for RRef "
+                                  f"{rref_id} (it was freed when its last user went away)")
+            return self.values[rref_id]
+
+    def replace(self, rref_id: str, value) -> None:
+        with self.lock:
+            self.values[rref_id] = value
+
+    def fork(self, rref_id: str) -> None:
+        with self.lock:
+            self.users[rref_id] = self.users.get(rref_id, 0) + 1
+
+    def release(self, rref_id: str) -> None:
+        with self.lock:
+            self.users[rref_id] = self.users.get(rref_id, 0) - 1
+            if self.users[rref_id] <= 0:
+                del self.users[rref_id]
+                self.values.pop(rref_id, None)
+
+    def num_owned(self) -> int:
+        with self.lock:
+            return len(self.values)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def backward(self, context: str, call_id: str, out_cotangents):
+        return self.autograd.backward(context, call_id, out_cotangents)
+
+    def accumulate(self, context: str, rref_id: str, cotangent) -> None:
+        self.autograd.accumulate(context, rref_id, cotangent)
+
+    def release_context(self, context: str) -> None:
+        self.autograd.release(context)
+
+    def gradients(self, context: str) -> dict:
+        with self.autograd.lock:
+            return dict(self.autograd.cotangents.get(context, {}))
+
+    def register_optimizer(self, optimizer_id: str, tx) -> None:
+        with self.lock:
+            self.optimizers[optimizer_id] = (tx, {})
+
+    def optimizer_step(self, optimizer_id: str, rref_ids: list, context: str) -> None:
+        """Applies the optimizer to this worker's parameters with their gradients in ``context``."""
+        import optax
+
+        tx, states = self.optimizers[optimizer_id]
+        gradients = self.gradients(context)
+        for rref_id in rref_ids:
+            params = self.fetch(rref_id)
+            grads = gradients.get(rref_id)
+            if grads is None:
+                grads = jax.tree.map(lambda p: jax.numpy.zeros_like(p), params)
+            if rref_id not in states:
+                states[rref_id] = tx.init(params)
+            updates, states[rref_id] = tx.update(grads, states[rref_id], params)
+            self.replace(rref_id, to_host(optax.apply_updates(params, updates)))

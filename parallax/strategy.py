@@ -35,7 +35,11 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   must be split over its axis);
 - ``module_hooks``: called as ``hook(model)`` on the NNX module ``px.value_and_grad``
   rebuilds inside the traced loss, before the loss runs (a tensor-parallel plan with
-  sequence parallelism pins activation layouts on the stock modules it styles).
+  sequence parallelism pins activation layouts on the stock modules it styles);
+- ``sequence_split``: context parallelism's mechanism, a :class:`SequenceSplit` (the order
+  in which a device holds its part of the sequence, and the attention over the split
+  sequence) that ``parallax.attention`` calls; the core never imports
+  ``parallax.strategies``.
 
 Example:
   >>> import parallax as px
@@ -86,6 +90,29 @@ class StateSharding(Protocol):
         """The summed shard of a gradient this device keeps (inside ``shard_map``)."""
 
 
+class SequenceSplit(Protocol):
+    """How context parallelism splits a sequence's attention over one mesh axis.
+
+    ``parallax.strategies.context.ContextSplit`` implements it; ``parallax.attention``
+    calls it while a step is traced (outside a step nothing calls it).
+    """
+
+    axis: str
+
+    def order(self, length: int, mesh: Mesh, api: str):
+        """The global position held by each slot of a length-``length`` sequence (a numpy
+        int array), or None when the sequence stays in its natural order."""
+
+    def attention(self, query, key, value, *, causal: bool, scale: float | None, mesh: Mesh):
+        """Attention over ``[B, T, H, K]`` arrays whose sequence is split over ``axis``."""
+
+    def natural(self, x, mesh: Mesh, api: str):
+        """``x`` (sequence on axis 1, in the split order) back in natural order."""
+
+    def check(self, strategies: tuple["Strategy", ...]) -> None:
+        """Raises ``ValueError`` when ``strategies`` (being composed) cannot run with it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """How a train step is laid out on a mesh. Build with the factories, merge with compose.
@@ -105,6 +132,7 @@ class Strategy:
       param_names: sources of names for unannotated parameters (tensor-parallel plans).
       layout_checks: checks of the whole parameter layout.
       module_hooks: preparations of the module rebuilt inside ``px.value_and_grad``.
+      sequence_split: context parallelism's split of the sequence (None: whole).
     """
 
     name: str = "Replicated()"
@@ -119,6 +147,7 @@ class Strategy:
     param_names: tuple[Callable, ...] = ()
     layout_checks: tuple[Callable, ...] = ()
     module_hooks: tuple[Callable, ...] = ()
+    sequence_split: SequenceSplit | None = None
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -184,7 +213,8 @@ def compose(*strategies: Strategy) -> Strategy:
       TypeError: an argument is not a Strategy.
       ValueError: a logical axis mapped to two different mesh axes, a mesh axis claimed
         twice or used both for the batch and for a parameter rule, two ZeRO stages, two
-        gradient producers, or two sync styles.
+        gradient producers, two sync styles, two context parallelisms, or one that the
+        others cannot run with (its ``check`` says why).
 
     Example:
       >>> import parallax as px
@@ -201,6 +231,13 @@ def compose(*strategies: Strategy) -> Strategy:
     if not strategies:
         return Strategy()
     name = " + ".join(s.name for s in strategies)
+    splits = [s for s in strategies if s.sequence_split is not None]
+    if len(splits) > 1:
+        raise ValueError(
+            f"px.compose: {splits[0].name} and {splits[1].name} both split the sequence's "
+            "attention; keep one (one ContextParallel over one mesh axis).")
+    if splits:  # before the rules: it names the fix for a clash over "sequence"
+        splits[0].sequence_split.check(strategies)
     rules: dict[str, MeshAxes] = {}
     owner: dict[str, Strategy] = {}
     for s in strategies:
@@ -272,6 +309,7 @@ def compose(*strategies: Strategy) -> Strategy:
         param_names=tuple(dict.fromkeys(c for s in strategies for c in s.param_names)),
         layout_checks=tuple(dict.fromkeys(c for s in strategies for c in s.layout_checks)),
         module_hooks=tuple(dict.fromkeys(c for s in strategies for c in s.module_hooks)),
+        sequence_split=splits[0].sequence_split if splits else None,
     )
 
 

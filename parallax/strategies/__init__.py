@@ -22,6 +22,7 @@ interleaved, ZB, V)                            runtime, weight versions      pip
 """
 
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation
+from parallax.strategies.context import ContextParallel as ContextParallel
 from parallax.strategies.data import DataParallel as DataParallel
 from parallax.strategies.pipeline import Pipeline as Pipeline
 from parallax.strategies.reduce_to_one import ReduceToOne as ReduceToOne

@@ -9,8 +9,8 @@ The model enters this order where it reads token ids (a gather of integers that 
 device of the context axis holds anyway: no communication) and with positions read from
 :func:`positions`, so position embeddings and RoPE see the global index. It leaves it
 once, before the output projection, with :func:`to_natural`: two ``ppermute`` s of half
-a device's activations each (the even and the odd chunks), so the logits and the loss
-are in the order of the labels.
+a device's activations each (the even and the odd chunks; one for ``n = 2``, where the
+even chunks are already home), so the logits and the loss are in the order of the labels.
 
 References:
   zhuzilin/ring-flash-attention (``zigzag_ring_flash_attn``) and Llama 3 (Dubey et al.,
@@ -74,6 +74,12 @@ def _routes(n: int, parity: int) -> list[tuple[int, int]]:
     return [(holder[c], c // 2) for c in range(parity, 2 * n, 2)]
 
 
+def _send(x, axis: str, pairs):
+    """``ppermute`` over ``pairs``; nothing when every device keeps its own (n = 2, even
+    chunks), which XLA would still copy."""
+    return x if all(a == b for a, b in pairs) else lax.ppermute(x, axis, pairs)
+
+
 def to_natural(x: jax.Array, axis: str, n: int) -> jax.Array:
     """This device's zigzag slots ``[B, 2c, ...]`` -> its natural slots (chunks ``2i, 2i+1``).
 
@@ -94,8 +100,8 @@ def to_natural(x: jax.Array, axis: str, n: int) -> jax.Array:
     even_first = lax.axis_index(axis) % 2 == 0  # chunk i is even exactly when i is
     even = jnp.where(even_first, first, second)
     odd = jnp.where(even_first, second, first)
-    even = lax.ppermute(even, axis, _routes(n, 0))
-    odd = lax.ppermute(odd, axis, _routes(n, 1))
+    even = _send(even, axis, _routes(n, 0))
+    odd = _send(odd, axis, _routes(n, 1))
     return jnp.concatenate([even, odd], axis=1)
 
 
@@ -112,8 +118,8 @@ def to_zigzag(x: jax.Array, axis: str, n: int) -> jax.Array:
     """
     c = x.shape[1] // 2
     back = lambda pairs: [(dst, src) for src, dst in pairs]
-    even = lax.ppermute(x[:, :c], axis, back(_routes(n, 0)))
-    odd = lax.ppermute(x[:, c:], axis, back(_routes(n, 1)))
+    even = _send(x[:, :c], axis, back(_routes(n, 0)))
+    odd = _send(x[:, c:], axis, back(_routes(n, 1)))
     even_first = lax.axis_index(axis) % 2 == 0
     return jnp.concatenate([jnp.where(even_first, even, odd),
                             jnp.where(even_first, odd, even)], axis=1)

@@ -62,7 +62,7 @@ def visible_pairs(n: int, c: int = 1) -> np.ndarray:
 
     Example:
       >>> visible_pairs(4, 2).tolist()
-      [36, 36, 36, 36]
+      [34, 34, 34, 34]
     """
     pos = positions(2 * n * c, n).reshape(n, 2 * c)
     return np.array([int(np.sum(p[:, None] + 1)) for p in pos])

@@ -231,3 +231,22 @@ def test_bad_arguments():
         px.ContextParallel(method="flash")
     with pytest.raises(TypeError, match=r"px.ContextParallel: axis must be a mesh axis name"):
         px.ContextParallel(axis=2)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_and_memory_falls(capsys):
+    """benchmarks/context_parallel.py at T = 1024: attention temp memory per
+    device falls at least as 1/CP for both methods."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "context_parallel.py"
+    spec = importlib.util.spec_from_file_location("cp_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--lengths", "1024"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    ratios = {(r[1], int(r[2])): float(r[4]) for r in rows if r[1] in ("ring", "all_gather")}
+    for method in ("ring", "all_gather"):
+        for n in (2, 4):
+            assert ratios[(method, n)] <= 1.1 / n, (method, n, ratios)

@@ -47,6 +47,7 @@ from parallax.strategies import MixedPrecision as MixedPrecision
 from parallax.strategies import Pipeline as Pipeline
 from parallax.strategies import ReduceToOne as ReduceToOne
 from parallax.strategies import BucketedSync as BucketedSync
+from parallax.strategies import ContextParallel as ContextParallel
 from parallax.strategies import DataParallel as DataParallel
 from parallax.strategies import GradientAccumulation as GradientAccumulation
 from parallax.strategies import TensorParallel as TensorParallel
@@ -60,6 +61,7 @@ _old_import_paths.install()  # scripts written against pre-round-3 paths keep ru
 
 __all__ = [
     "BucketedSync",
+    "ContextParallel",
     "DataParallel",
     "FSDP",
     "GradientAccumulation",

@@ -3,13 +3,40 @@
 The reference models (and any user model that wants it) call :func:`dot_product_attention`
 instead of ``jax.nn.dot_product_attention``. Outside a parallax step, and under strategies
 that leave the sequence whole, it is exactly ``jax.nn.dot_product_attention``. A strategy
-that splits the sequence's attention over devices (context parallelism) supplies its own
-implementation through the step context, so the model's code never names a mesh axis.
+that splits the sequence's attention over devices (context parallelism,
+``px.ContextParallel``) supplies its own implementation through the step context
+(``Strategy.sequence_split``), so the model's code never names a mesh axis.
+
+Context parallelism holds the sequence in its own order (the zigzag split, which balances
+causal attention). A model that runs under it does two more things, both the identity
+elsewhere:
+
+- reads its positions from :func:`sequence_positions` (and its token ids in that order),
+  so position embeddings and RoPE see the global index;
+- calls :func:`natural_order` on its hidden states before the output projection, so the
+  logits are in the order of the labels.
+
+A model that skips them computes causal attention in the wrong order under context
+parallelism; ``px.models.GPT`` does both.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+
+from parallax import context
+
+
+def _split():
+    """``(split, mesh)`` of the active step's context parallelism, or None."""
+    ctx = context.current()
+    if ctx is None or ctx.strategy.sequence_split is None:
+        return None
+    split = ctx.strategy.sequence_split
+    if ctx.mesh.shape.get(split.axis, 1) == 1 or split.axis in ctx.manual_axes:
+        return None
+    return split, ctx.mesh
 
 
 def dot_product_attention(
@@ -21,6 +48,9 @@ def dot_product_attention(
     scale: float | None = None,
 ) -> jax.Array:
     """Softmax attention over ``[batch, seq, heads, head_dim]`` arrays.
+
+    Under ``px.ContextParallel`` the sequence dimension is split over the context axis in
+    the zigzag order, and causal masking compares global positions.
 
     Args:
       query: ``[B, T, H, K]``.
@@ -41,4 +71,63 @@ def dot_product_attention(
     References:
       Vaswani et al. 2017, "Attention Is All You Need"; Ainslie et al. 2023 (GQA).
     """
+    found = _split()
+    if found is not None:
+        split, mesh = found
+        return split.attention(query, key, value, causal=causal, scale=scale, mesh=mesh)
     return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=causal)
+
+
+def sequence_positions(length: int, api: str = "parallax.attention.sequence_positions"
+                       ) -> jax.Array:
+    """The global position of each slot of a length-``length`` sequence, as the model holds it.
+
+    ``arange(length)`` outside context parallelism; under it, the zigzag order.
+
+    Args:
+      length: T.
+      api: the caller, named in the error.
+
+    Returns:
+      An int32 ``[T]`` permutation of ``range(T)``.
+
+    Raises:
+      ValueError: under context parallelism over ``n`` devices, ``T`` not a multiple of
+        ``2n``.
+
+    Example:
+      >>> sequence_positions(4).tolist()
+      [0, 1, 2, 3]
+    """
+    found = _split()
+    order = None if found is None else found[0].order(length, found[1], api)
+    return jnp.arange(length, dtype=jnp.int32) if order is None else jnp.asarray(order)
+
+
+def in_sequence_order(x: jax.Array, api: str = "parallax.attention.in_sequence_order"
+                      ) -> jax.Array:
+    """``x`` (sequence on axis 1, natural order, every position present) in the model's
+    order: a gather of the slots :func:`sequence_positions` names; the identity outside
+    context parallelism. Meant for token ids, which every device of the context axis holds.
+
+    Example:
+      >>> in_sequence_order(jnp.arange(6).reshape(2, 3)).tolist()
+      [[0, 1, 2], [3, 4, 5]]
+    """
+    found = _split()
+    order = None if found is None else found[0].order(x.shape[1], found[1], api)
+    return x if order is None else jnp.take(x, jnp.asarray(order), axis=1)
+
+
+def natural_order(x: jax.Array, api: str = "parallax.attention.natural_order") -> jax.Array:
+    """``x`` (sequence on axis 1, in the model's order) back in natural order.
+
+    The identity outside context parallelism; under it, one exchange between the devices of
+    the context axis (two ``ppermute`` s of half of each device's part).
+
+    Example:
+      >>> natural_order(jnp.ones((2, 4, 8))).shape
+      (2, 4, 8)
+    """
+    found = _split()
+    return x if found is None else found[0].natural(x, found[1], api)

@@ -38,6 +38,10 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   sequence parallelism pins activation layouts on the stock modules it styles);
 - ``precision``: a mixed-precision policy (``px.MixedPrecision``: the dtypes of the
   forward pass, the gradients and their reduction), applied by ``px.value_and_grad``.
+- ``sequence_split``: context parallelism's mechanism, a :class:`SequenceSplit` (the order
+  in which a device holds its part of the sequence, and the attention over the split
+  sequence) that ``parallax.attention`` calls; the core never imports
+  ``parallax.strategies``.
 
 Example:
   >>> import parallax as px
@@ -88,6 +92,29 @@ class StateSharding(Protocol):
         """The summed shard of a gradient this device keeps (inside ``shard_map``)."""
 
 
+class SequenceSplit(Protocol):
+    """How context parallelism splits a sequence's attention over one mesh axis.
+
+    ``parallax.strategies.context.ContextSplit`` implements it; ``parallax.attention``
+    calls it while a step is traced (outside a step nothing calls it).
+    """
+
+    axis: str
+
+    def order(self, length: int, mesh: Mesh, api: str):
+        """The global position held by each slot of a length-``length`` sequence (a numpy
+        int array), or None when the sequence stays in its natural order."""
+
+    def attention(self, query, key, value, *, causal: bool, scale: float | None, mesh: Mesh):
+        """Attention over ``[B, T, H, K]`` arrays whose sequence is split over ``axis``."""
+
+    def natural(self, x, mesh: Mesh, api: str):
+        """``x`` (sequence on axis 1, in the split order) back in natural order."""
+
+    def check(self, strategies: tuple["Strategy", ...]) -> None:
+        """Raises ``ValueError`` when ``strategies`` (being composed) cannot run with it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """How a train step is laid out on a mesh. Build with the factories, merge with compose.
@@ -108,6 +135,7 @@ class Strategy:
       layout_checks: checks of the whole parameter layout.
       module_hooks: preparations of the module rebuilt inside ``px.value_and_grad``.
       precision: a ``parallax.precision.Policy`` (None: every dtype as the model has it).
+      sequence_split: context parallelism's split of the sequence (None: whole).
     """
 
     name: str = "Replicated()"
@@ -123,6 +151,7 @@ class Strategy:
     layout_checks: tuple[Callable, ...] = ()
     module_hooks: tuple[Callable, ...] = ()
     precision: object | None = None
+    sequence_split: SequenceSplit | None = None
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -188,7 +217,8 @@ def compose(*strategies: Strategy) -> Strategy:
       TypeError: an argument is not a Strategy.
       ValueError: a logical axis mapped to two different mesh axes, a mesh axis claimed
         twice or used both for the batch and for a parameter rule, two ZeRO stages, two
-        gradient producers, two sync styles, or two precision policies.
+        gradient producers, two sync styles, two precision policies, two context
+        parallelisms, or one that the others cannot run with (its ``check`` says why).
 
     Example:
       >>> import parallax as px
@@ -205,6 +235,13 @@ def compose(*strategies: Strategy) -> Strategy:
     if not strategies:
         return Strategy()
     name = " + ".join(s.name for s in strategies)
+    splits = [s for s in strategies if s.sequence_split is not None]
+    if len(splits) > 1:
+        raise ValueError(
+            f"px.compose: {splits[0].name} and {splits[1].name} both split the sequence's "
+            "attention; keep one (one ContextParallel over one mesh axis).")
+    if splits:  # before the rules: it names the fix for a clash over "sequence"
+        splits[0].sequence_split.check(strategies)
     rules: dict[str, MeshAxes] = {}
     owner: dict[str, Strategy] = {}
     for s in strategies:
@@ -283,6 +320,7 @@ def compose(*strategies: Strategy) -> Strategy:
         layout_checks=tuple(dict.fromkeys(c for s in strategies for c in s.layout_checks)),
         module_hooks=tuple(dict.fromkeys(c for s in strategies for c in s.module_hooks)),
         precision=policies[0] if policies else None,
+        sequence_split=splits[0].sequence_split if splits else None,
     )
 
 

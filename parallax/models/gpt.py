@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 
 from parallax import context
+from parallax.attention import in_sequence_order, natural_order, sequence_positions
 from parallax.step import finite_check
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.layers import (
@@ -172,6 +173,9 @@ class GPT(nnx.Module):
                 f"GPT.embed: sequence length {seq} exceeds max_seq_len="
                 f"{self.config.max_seq_len}; shorten the input or raise GPTConfig.max_seq_len."
             )
+        # Under context parallelism the sequence is held in the zigzag order: token ids and
+        # positions are read in it (positions stay global), checked before the generic split.
+        positions = sequence_positions(seq, "GPT.embed")
         check_sequence("GPT.embed", seq)
         # An id outside the vocabulary reads a NaN row (jnp.take's fill). Concrete ids are
         # checked here; under jit, px.train_step(check_finite=True) names this check.
@@ -179,7 +183,8 @@ class GPT(nnx.Module):
         check_token_ids("GPT.embed", tokens, vocab)
         finite_check.require(f"GPT.embed: token ids within [0, {vocab})",
                        lambda: ((tokens >= 0) & (tokens < vocab)).all())
-        x = jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:seq]
+        ids = in_sequence_order(tokens, "GPT.embed")
+        x = jnp.take(self.wte[...], ids, axis=0) + jnp.take(self.wpe[...], positions, axis=0)
         # Under sequence parallelism: all-reduce the vocabulary-parallel lookup, then split
         # the sequence (Megatron's embedding), rather than gathering the table.
         x = gather_sequence(x.astype(self.config.dtype), WHOLE_SEQUENCE)
@@ -203,7 +208,7 @@ class GPT(nnx.Module):
         The logits are split by vocabulary (never by sequence: the vocabulary-parallel
         loss needs whole rows of positions), so no device holds all of them.
         """
-        x = gather_sequence(self.ln_f(x), WHOLE_SEQUENCE)
+        x = gather_sequence(natural_order(self.ln_f(x), "GPT.unembed"), WHOLE_SEQUENCE)
         if self.head is None:
             w, spec = self.wte[...], "btd,vd->btv"
         else:

@@ -84,6 +84,9 @@ def gather_sequence(x: jax.Array, names: Names) -> jax.Array:
     ctx = context.current()
     if ctx is None or "sequence" not in ctx.strategy.rule_table:
         return x
+    split = ctx.strategy.sequence_split
+    if split is not None and ctx.strategy.rule_table["sequence"] == split.axis:
+        return x  # context parallelism keeps the sequence split through every matmul
     spec = resolve_spec(names, x.shape, ctx.strategy.activation_rules, ctx.mesh,
                         api="px.models", skip_axes=ctx.manual_axes, path=f"activation {names}")
     return jax.lax.with_sharding_constraint(x, spec)

@@ -24,6 +24,7 @@ mixed precision          precision.py          casts in parallax.grad;       tes
 """
 
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation
+from parallax.strategies.context import ContextParallel as ContextParallel
 from parallax.strategies.data import DataParallel as DataParallel
 from parallax.strategies.pipeline import Pipeline as Pipeline
 from parallax.strategies.precision import MixedPrecision as MixedPrecision

@@ -1,0 +1,224 @@
+"""Context parallelism: a sequence's attention split over a mesh axis.
+
+``px.ContextParallel(axis, method)`` maps the activations' logical ``"sequence"`` dimension
+to ``axis``, so every layer but attention runs on ``T / n`` positions per device with no
+communication (GSPMD: parameters are replicated over the axis and their gradients summed
+over it). Attention needs every key: the models call :func:`parallax.attention.
+dot_product_attention`, which under this strategy opens a ``shard_map`` over ``axis`` and
+runs one of
+
+- ``"ring"``: K/V blocks passed round the axis with ``ppermute`` while each device
+  accumulates its queries' output with the online softmax
+  (:mod:`parallax.strategies.context_ring`; Liu et al. 2023);
+- ``"all_gather"``: K and V all-gathered over the axis at each layer and the local queries
+  attend to all of them (Llama 3's choice, Dubey et al. 2024, section 3.3.2); the backward
+  reduce-scatters their gradients.
+
+The sequence is held in the zigzag order (:mod:`parallax.strategies.context_zigzag`) so
+causal attention costs every device the same; a model reads its positions from
+:func:`parallax.attention.sequence_positions` and returns to natural order with
+:func:`parallax.attention.natural_order` before its output projection (the GPT does).
+
+Not yet supported: pipelines (``compose`` refuses them), and Megatron's sequence
+parallelism, which splits the same sequence dimension over the tensor axis (``compose``
+refuses it: CP already splits the sequence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from parallax.comm import nesting
+from parallax.mesh import describe
+from parallax.strategies import context_ring, context_zigzag
+from parallax.strategy import Strategy
+
+METHODS = ("ring", "all_gather")
+API = "px.ContextParallel"
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextSplit:
+    """The :class:`parallax.strategy.SequenceSplit` of context parallelism.
+
+    Attributes:
+      axis: the context mesh axis.
+      method: ``"ring"`` or ``"all_gather"``.
+    """
+
+    axis: str
+    method: str
+
+    def ways(self, mesh: Mesh) -> int:
+        return int(mesh.shape.get(self.axis, 1))
+
+    def order(self, length: int, mesh: Mesh, api: str):
+        n = self.ways(mesh)
+        if n == 1:
+            return None
+        if length % (2 * n):
+            fit = length + 2 * n - length % (2 * n)
+            raise ValueError(
+                f"{api}: sequence length {length} does not split into the 2 x {n} = {2 * n} "
+                f"equal chunks of {API}({self.axis!r}) (zigzag: each of the {n} devices of "
+                f"mesh axis {self.axis!r} holds chunks i and {2 * n - 1}-i; mesh "
+                f"{describe(mesh)}); use a length that is a multiple of {2 * n}, e.g. {fit} "
+                "(next_token_loss takes tokens [batch, length + 1]).")
+        return context_zigzag.positions(length, n)
+
+    def _map(self, fn, in_specs, out_specs):
+        # jax.checkpoint: the partial evaluation that lax.scan runs over a scanned layer
+        # (to hoist loop invariants) would otherwise split this shard_map, and the residuals
+        # of a shard_map nested in the step's (manual over the batch axes) get a sharding
+        # jax 0.10 cannot lower ("manual axes must come before free axes"). Under remat
+        # nothing inside is kept as a residual; the forward still runs once.
+        nesting.check({self.axis}, API, "Compose ContextParallel with the batch and tensor "
+                      "axes only (pipelines are not yet supported).")
+        return jax.checkpoint(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
+                                            axis_names=frozenset({self.axis})))
+
+    def attention(self, query, key, value, *, causal: bool, scale, mesh: Mesh):
+        n = self.ways(mesh)
+        length = query.shape[1]
+        self.order(length, mesh, "parallax.attention.dot_product_attention")
+        scale = float(scale) if scale is not None else 1.0 / float(np.sqrt(query.shape[-1]))
+        seq = PartitionSpec(None, self.axis)
+        if self.method == "ring":
+            kw = dict(axis=self.axis, n=n, causal=causal, scale=scale)
+            rows = PartitionSpec(None, None, None, self.axis)  # lse [B, G, H/G, T]
+            fwd = self._map(functools.partial(context_ring.forward, **kw), (seq,) * 3,
+                            (seq, rows))
+            bwd = self._map(functools.partial(context_ring.backward, **kw),
+                            (seq,) * 4 + (rows, seq), (seq,) * 3)
+            residuals = lambda q, k, v: (lambda o, lse: (o, (q, k, v, o, lse)))(*fwd(q, k, v))
+            return _with_vjp(residuals, lambda res, d_out: bwd(*res, d_out))(query, key, value)
+        pos = context_zigzag.positions(length, n)
+        local = functools.partial(gathered_attention, axis=self.axis, positions=pos,
+                                  causal=causal, scale=scale)
+        fwd = self._map(local, (seq,) * 3, seq)
+        # The backward recomputes the local attention (one more all-gather of K and V)
+        # rather than keeping the gathered K and V (O(T) per layer) as residuals.
+        bwd = self._map(lambda q, k, v, d: jax.vjp(local, q, k, v)[1](d), (seq,) * 4,
+                        (seq,) * 3)
+        return _with_vjp(lambda q, k, v: (fwd(q, k, v), (q, k, v)),
+                         lambda res, d_out: bwd(*res, d_out))(query, key, value)
+
+    def natural(self, x, mesh: Mesh, api: str):
+        n = self.ways(mesh)
+        if n == 1:
+            return x
+        self.order(x.shape[1], mesh, api)
+        seq = PartitionSpec(None, self.axis)
+        forward = self._map(lambda v: context_zigzag.to_natural(v, self.axis, n), seq, seq)
+        backward = self._map(lambda g: context_zigzag.to_zigzag(g, self.axis, n), seq, seq)
+        # A custom_vjp for the reason _with_vjp gives (its transpose is the inverse exchange).
+        natural = jax.custom_vjp(lambda v: forward(v))
+        natural.defvjp(lambda v: (forward(v), None), lambda _, g: (backward(g),))
+        return natural(x)
+
+    def check(self, strategies) -> None:
+        for s in strategies:
+            if s.sequence_split is self:
+                continue
+            seq = dict(s.rules).get("sequence")
+            if seq is not None:
+                raise ValueError(
+                    f"px.compose: {s.name} splits the sequence over {seq!r} and "
+                    f"ContextParallel({self.axis!r}) splits it over {self.axis!r}; the two "
+                    "cannot both split it. Turn sequence parallelism off "
+                    "(px.TensorParallel(..., sequence_parallel=False)): context parallelism "
+                    "already keeps every activation split by sequence.")
+            if s.grad_fn is not None and "layers" in dict(s.rules):  # a pipeline
+                raise ValueError(
+                    f"px.compose: {s.name} with ContextParallel({self.axis!r}) is not yet "
+                    "supported (a pipeline stage would run the ring inside the pipeline's "
+                    "own shard_map); compose ContextParallel with DataParallel, FSDP/ZeRO "
+                    "and TensorParallel, or pipeline without it.")
+
+
+def _with_vjp(forward, backward):
+    """``f(q, k, v)`` whose forward is ``forward -> (out, residuals)`` and backward
+    ``backward(residuals, d_out) -> (dq, dk, dv)``, each its own ``shard_map``: autodiff
+    through one nested in the step's leaves residuals jax 0.10 cannot lower (manual axes
+    out of order on the residuals' leading dimension)."""
+
+    @jax.custom_vjp
+    def f(q, k, v):
+        return forward(q, k, v)[0]
+
+    f.defvjp(forward, backward)
+    return f
+
+
+def gathered_attention(query, key, value, *, axis: str, positions: np.ndarray, causal: bool,
+                       scale: float):
+    """Llama 3's context parallelism: local queries against all-gathered keys and values.
+
+    Call inside a ``shard_map`` manual over ``axis``, on zigzag-ordered shards; the mask
+    compares global positions (``positions``: slot -> position, device-major).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = jax.make_mesh((2,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> pos = context_zigzag.positions(8, 2)
+      >>> f = jax.shard_map(lambda q: gathered_attention(q, q, q, axis="context",
+      ...     positions=pos, causal=True, scale=0.5), mesh=mesh,
+      ...     in_specs=jax.P(None, "context"), out_specs=jax.P(None, "context"))
+      >>> f(jnp.ones((1, 8, 2, 4))).shape
+      (1, 8, 2, 4)
+    """
+    k, v = jax.lax.all_gather(jnp.stack([key, value]), axis, axis=2, tiled=True)
+    b, t, h, d = query.shape
+    q = query.reshape(b, t, k.shape[2], h // k.shape[2], d)
+    s = jnp.einsum("bqgrk,bsgk->bgrqs", q, k, preferred_element_type=jnp.float32) * scale
+    if causal:
+        pos = jnp.asarray(positions)
+        mine = lax.dynamic_slice_in_dim(pos, lax.axis_index(axis) * t, t)
+        s = jnp.where(mine[:, None] >= pos[None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bgrqs,bsgk->bqgrk", p, v.astype(jnp.float32))
+    return out.reshape(query.shape).astype(query.dtype)
+
+
+def ContextParallel(axis: str = "context", method: str = "ring") -> Strategy:
+    """Splits every sequence over ``axis``; attention by a ring or an all-gather of K/V.
+
+    Args:
+      axis: the mesh axis (``px.make_mesh(context=n)``).
+      method: ``"ring"`` (K/V passed round the axis, online softmax: memory ``O(T/n)``) or
+        ``"all_gather"`` (K/V gathered per layer: ``O(T)`` keys per device, one collective).
+
+    Returns:
+      A :class:`parallax.Strategy` mapping ``"sequence"`` to ``axis``.
+
+    Raises:
+      TypeError: ``axis`` is not a string.
+      ValueError: an unknown ``method``.
+
+    Example:
+      >>> import parallax as px
+      >>> s = px.compose(px.DataParallel(), px.ContextParallel(method="all_gather"))
+      >>> s.rule_table["sequence"], s.sequence_split.method
+      ('context', 'all_gather')
+
+    References:
+      Liu et al., "Ring Attention with Blockwise Transformers", 2023; Dubey et al., "The
+      Llama 3 Herd of Models", 2024, section 3.3.2 (all-gather CP, the 2 x CP chunks).
+    """
+    if not isinstance(axis, str):
+        raise TypeError(f"{API}: axis must be a mesh axis name (a str), got "
+                        f"{type(axis).__name__}: {axis!r}.")
+    if method not in METHODS:
+        raise ValueError(f"{API}: method={method!r} must be one of {METHODS}.")
+    return Strategy(
+        name=f"ContextParallel({axis!r}, method={method!r})",
+        rules=(("sequence", axis),),
+        sequence_split=ContextSplit(axis, method),
+    )

@@ -35,7 +35,10 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   must be split over its axis);
 - ``module_hooks``: called as ``hook(model)`` on the NNX module ``px.value_and_grad``
   rebuilds inside the traced loss, before the loss runs (a tensor-parallel plan with
-  sequence parallelism pins activation layouts on the stock modules it styles).
+  sequence parallelism pins activation layouts on the stock modules it styles);
+- ``experts``: expert parallelism's token exchange, an :class:`ExpertSharding` value
+  (``px.ExpertParallel``): its axis splits both the batch and the ``"expert"`` dimension
+  of MoE weights, and an MoE layer hands it its tokens (read from the step context).
 
 Example:
   >>> import parallax as px
@@ -86,6 +89,22 @@ class StateSharding(Protocol):
         """The summed shard of a gradient this device keeps (inside ``shard_map``)."""
 
 
+class ExpertSharding(Protocol):
+    """How expert parallelism moves an MoE layer's tokens to its experts and back.
+
+    ``parallax.strategies.expert_dispatch.ExpertExchange`` implements it. Its axis is a
+    batch axis for every other layer and shards the ``"expert"`` logical axis of the MoE
+    weights; inside the explicit step's ``shard_map`` (the axis manual) an MoE layer calls
+    ``exchange(slots, run)`` with its ``[G, E, C, D]`` slots and ``run``, its local
+    experts.
+    """
+
+    axis: str
+
+    def exchange(self, slots: jax.Array, run: Callable) -> jax.Array:
+        """``run`` applied to every slot by the device holding its expert, back in place."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """How a train step is laid out on a mesh. Build with the factories, merge with compose.
@@ -105,6 +124,7 @@ class Strategy:
       param_names: sources of names for unannotated parameters (tensor-parallel plans).
       layout_checks: checks of the whole parameter layout.
       module_hooks: preparations of the module rebuilt inside ``px.value_and_grad``.
+      experts: expert parallelism's token exchange (None: experts run where the tokens are).
     """
 
     name: str = "Replicated()"
@@ -119,6 +139,7 @@ class Strategy:
     param_names: tuple[Callable, ...] = ()
     layout_checks: tuple[Callable, ...] = ()
     module_hooks: tuple[Callable, ...] = ()
+    experts: ExpertSharding | None = None
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -222,9 +243,16 @@ def compose(*strategies: Strategy) -> Strategy:
                     f"{batch[axis].name} and {s.name}; each mesh axis can be claimed once."
                 )
             batch[axis] = s
+    experts = list(dict.fromkeys(s.experts for s in strategies if s.experts is not None))
+    if len(experts) > 1:
+        raise ValueError(
+            f"px.compose: two expert exchanges ({experts[0]!r}, {experts[1]!r}); experts are "
+            "split over one mesh axis: keep one px.ExpertParallel.")
+    # Expert parallelism's axis splits the batch AND the experts (GShard): not a conflict.
+    shared = {("expert", experts[0].axis)} if experts else set()
     for logical, axes in rules.items():
         for axis in as_tuple(axes):
-            if axis in batch:
+            if axis in batch and (logical, axis) not in shared:
                 raise ValueError(
                     f"px.compose: mesh axis {axis!r} splits the batch in {batch[axis].name} "
                     f"and shards logical axis {logical!r} in {owner[logical].name}; use a "
@@ -272,6 +300,7 @@ def compose(*strategies: Strategy) -> Strategy:
         param_names=tuple(dict.fromkeys(c for s in strategies for c in s.param_names)),
         layout_checks=tuple(dict.fromkeys(c for s in strategies for c in s.layout_checks)),
         module_hooks=tuple(dict.fromkeys(c for s in strategies for c in s.module_hooks)),
+        experts=experts[0] if experts else None,
     )
 
 

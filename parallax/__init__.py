@@ -42,6 +42,7 @@ from parallax.strategies import Pipeline as Pipeline
 from parallax.strategies import ReduceToOne as ReduceToOne
 from parallax.strategies import BucketedSync as BucketedSync
 from parallax.strategies import DataParallel as DataParallel
+from parallax.strategies import ExpertParallel as ExpertParallel
 from parallax.strategies import GradientAccumulation as GradientAccumulation
 from parallax.strategies import TensorParallel as TensorParallel
 from parallax.strategies import ZeRO as ZeRO
@@ -55,6 +56,7 @@ _old_import_paths.install()  # scripts written against pre-round-3 paths keep ru
 __all__ = [
     "BucketedSync",
     "DataParallel",
+    "ExpertParallel",
     "FSDP",
     "GradientAccumulation",
     "HSDP",

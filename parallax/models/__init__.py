@@ -13,14 +13,22 @@ from parallax.models.gpt import next_token_loss as next_token_loss
 from parallax.models.gpt_config import param_count as param_count
 from parallax.models.gpt_pipeline import next_token_stages as next_token_stages
 from parallax.models.mlp import MLP as MLP
+from parallax.models.moe import MoE as MoE
+from parallax.models.moe import aux_loss as moe_aux_loss
+from parallax.models.moe_config import MoEConfig as MoEConfig
+from parallax.models.gpt import moe_next_token_loss as moe_next_token_loss
 from parallax.models.mlp import mse_loss as mse_loss
 
 __all__ = [
     "GPT",
     "GPTConfig",
     "MLP",
+    "MoE",
+    "MoEConfig",
     "block_forward",
     "flops_per_token",
+    "moe_aux_loss",
+    "moe_next_token_loss",
     "mse_loss",
     "next_token_loss",
     "next_token_stages",

@@ -16,6 +16,8 @@ tensor and sequence      tensor.py,            rules and MegatronCheck;      tes
 (Megatron)               tensor_plan.py,       parallax.nn layers; traffic   nn/, byom/
                          tensor_sequence.py    in analysis.tensor_traffic
 gradient accumulation    accumulate.py         parallax.grad.microbatches           test_equivalence
+expert (GShard, Switch)  expert.py,            ExpertExchange: two           test_expert
+                         expert_dispatch.py    all-to-alls per MoE layer
 pipeline (GPipe, 1F1B,   pipeline.py           parallax.pipeline: schedules, test_pipeline_strategy,
 interleaved, ZB, V)                            runtime, weight versions      pipeline/
 =======================  ====================  ============================  ==================
@@ -23,6 +25,7 @@ interleaved, ZB, V)                            runtime, weight versions      pip
 
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation
 from parallax.strategies.data import DataParallel as DataParallel
+from parallax.strategies.expert import ExpertParallel as ExpertParallel
 from parallax.strategies.pipeline import Pipeline as Pipeline
 from parallax.strategies.reduce_to_one import ReduceToOne as ReduceToOne
 from parallax.strategies.sync import BucketedSync as BucketedSync

@@ -49,6 +49,7 @@ from parallax.strategies import ReduceToOne as ReduceToOne
 from parallax.strategies import BucketedSync as BucketedSync
 from parallax.strategies import ContextParallel as ContextParallel
 from parallax.strategies import DataParallel as DataParallel
+from parallax.strategies import ExpertParallel as ExpertParallel
 from parallax.strategies import GradientAccumulation as GradientAccumulation
 from parallax.strategies import TensorParallel as TensorParallel
 from parallax.strategies import ZeRO as ZeRO
@@ -63,6 +64,7 @@ __all__ = [
     "BucketedSync",
     "ContextParallel",
     "DataParallel",
+    "ExpertParallel",
     "FSDP",
     "GradientAccumulation",
     "HSDP",

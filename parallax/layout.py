@@ -63,12 +63,22 @@ class LeafLayout:
         entries[self.shard_dim] = self.zero.axis
         return PartitionSpec(*entries)
 
-    def manual_spec(self, role: str) -> PartitionSpec:
-        """The spec restricted to ZeRO's axis (what ``shard_map`` over batch axes sees)."""
+    def manual_spec(self, role: str, manual_axes=()) -> PartitionSpec:
+        """The spec restricted to ZeRO's axis and ``manual_axes`` (what ``shard_map`` over
+        the batch axes sees): a leaf the rules shard over a batch axis (MoE experts over
+        expert parallelism's axis) stays split over it inside the map."""
         entries = [None] * len(self.shape)
+        for dim, entry in enumerate(self.base):
+            kept = tuple(a for a in rules_lib.as_tuple(entry) if a in manual_axes)
+            entries[dim] = (kept[0] if len(kept) == 1 else kept) if kept else None
         if self.is_sharded(role):
             entries[self.shard_dim] = self.zero.axis
         return PartitionSpec(*entries)
+
+    def split_over(self, axes) -> tuple[str, ...]:
+        """The ``axes`` the rules shard this leaf over (its shards are different values)."""
+        mine = {a for e in self.base for a in rules_lib.as_tuple(e)}
+        return tuple(a for a in axes if a in mine)
 
 
 def param_layouts(params, strategy: Strategy, mesh, api: str,

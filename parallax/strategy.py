@@ -42,6 +42,9 @@ A :class:`Strategy` holds data, and at most a few pure functions:
   in which a device holds its part of the sequence, and the attention over the split
   sequence) that ``parallax.attention`` calls; the core never imports
   ``parallax.strategies``.
+- ``experts``: expert parallelism's token exchange, an :class:`ExpertSharding` value
+  (``px.ExpertParallel``): its axis splits both the batch and the ``"expert"`` dimension
+  of MoE weights, and an MoE layer hands it its tokens (read from the step context).
 
 Example:
   >>> import parallax as px
@@ -115,6 +118,22 @@ class SequenceSplit(Protocol):
         """Raises ``ValueError`` when ``strategies`` (being composed) cannot run with it."""
 
 
+class ExpertSharding(Protocol):
+    """How expert parallelism moves an MoE layer's tokens to its experts and back.
+
+    ``parallax.strategies.expert_dispatch.ExpertExchange`` implements it. Its axis is a
+    batch axis for every other layer and shards the ``"expert"`` logical axis of the MoE
+    weights; inside the explicit step's ``shard_map`` (the axis manual) an MoE layer calls
+    ``exchange(slots, run)`` with its ``[G, E, C, D]`` slots and ``run``, its local
+    experts.
+    """
+
+    axis: str
+
+    def exchange(self, slots: jax.Array, run: Callable) -> jax.Array:
+        """``run`` applied to every slot by the device holding its expert, back in place."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """How a train step is laid out on a mesh. Build with the factories, merge with compose.
@@ -136,6 +155,7 @@ class Strategy:
       module_hooks: preparations of the module rebuilt inside ``px.value_and_grad``.
       precision: a ``parallax.precision.Policy`` (None: every dtype as the model has it).
       sequence_split: context parallelism's split of the sequence (None: whole).
+      experts: expert parallelism's token exchange (None: experts run where the tokens are).
     """
 
     name: str = "Replicated()"
@@ -152,6 +172,7 @@ class Strategy:
     module_hooks: tuple[Callable, ...] = ()
     precision: object | None = None
     sequence_split: SequenceSplit | None = None
+    experts: ExpertSharding | None = None
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -263,9 +284,16 @@ def compose(*strategies: Strategy) -> Strategy:
                     f"{batch[axis].name} and {s.name}; each mesh axis can be claimed once."
                 )
             batch[axis] = s
+    experts = list(dict.fromkeys(s.experts for s in strategies if s.experts is not None))
+    if len(experts) > 1:
+        raise ValueError(
+            f"px.compose: two expert exchanges ({experts[0]!r}, {experts[1]!r}); experts are "
+            "split over one mesh axis: keep one px.ExpertParallel.")
+    # Expert parallelism's axis splits the batch AND the experts (GShard): not a conflict.
+    shared = {("expert", experts[0].axis)} if experts else set()
     for logical, axes in rules.items():
         for axis in as_tuple(axes):
-            if axis in batch:
+            if axis in batch and (logical, axis) not in shared:
                 raise ValueError(
                     f"px.compose: mesh axis {axis!r} splits the batch in {batch[axis].name} "
                     f"and shards logical axis {logical!r} in {owner[logical].name}; use a "
@@ -321,6 +349,7 @@ def compose(*strategies: Strategy) -> Strategy:
         module_hooks=tuple(dict.fromkeys(c for s in strategies for c in s.module_hooks)),
         precision=policies[0] if policies else None,
         sequence_split=splits[0].sequence_split if splits else None,
+        experts=experts[0] if experts else None,
     )
 
 

@@ -78,11 +78,21 @@ def _differs(what: str, path, x, axes, api: str) -> ValueError:
         "per-example values (leading dimension = the batch) to have them concatenated.")
 
 
-def split_examples(tree, rows: int):
+def split_examples(tree, rows: int, axes: tuple[str, ...] = ()):
     """``(shared, examples)``: two trees like ``tree``, per-example leaves in the second,
-    every other leaf in the first (None in the other's place)."""
-    shared = jax.tree.map(lambda x: None if kind(x, rows) == "example" else x, tree)
-    examples = jax.tree.map(lambda x: x if kind(x, rows) == "example" else None, tree)
+    every other leaf in the first (None in the other's place).
+
+    Inside ``shard_map`` over the batch ``axes``, a leaf that varies over none of them is
+    the same on every shard (a statistic already summed over the batch, such as an MoE
+    router's ``[layers, experts]`` load), so it is shared even when its leading dimension
+    happens to equal ``rows``."""
+    def example(x):
+        if kind(x, rows) != "example":
+            return False
+        return not axes or bool(varying_axes(x) & set(axes))
+
+    shared = jax.tree.map(lambda x: None if example(x) else x, tree)
+    examples = jax.tree.map(lambda x: x if example(x) else None, tree)
     return shared, examples
 
 

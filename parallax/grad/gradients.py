@@ -222,17 +222,18 @@ def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=Non
         with jax.named_scope("parallax/grad_sync"):
             synced = sync_grads(jax.tree.leaves(grads), lays, axes, strategy.grad_sync,
                                 strategy.precision)
-        shared, examples = reduce_results(loss, res, leading_size(b_local), axes, shards)
+        shared, examples = reduce_results(loss, res, leading_size(b_local), axes, shards,
+                                          typed=checked)
         return shared, examples, [g / shards for g in synced]
 
     b_spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
     mapped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=([lay.manual_spec("param") for lay in lays], PartitionSpec(),
+        in_specs=([lay.manual_spec("param", axes) for lay in lays], PartitionSpec(),
                   [b_spec] * len(b_leaves)),
         # Per-example values leave with the batch's spec: concatenated in batch order.
-        out_specs=(PartitionSpec(), b_spec, [lay.manual_spec("grad") for lay in lays]),
+        out_specs=(PartitionSpec(), b_spec, [lay.manual_spec("grad", axes) for lay in lays]),
         axis_names=frozenset(axes),
         check_vma=checked,
     )
@@ -243,12 +244,14 @@ def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=Non
     return (loss, result), jax.tree.unflatten(p_def, g_leaves)
 
 
-def reduce_results(loss, res: LocalResult, rows: int, axes, shards: int):
+def reduce_results(loss, res: LocalResult, rows: int, axes, shards: int, typed: bool = True):
     """``(shared, examples)``: the loss, aux values, sown values, module state and checks
     of one shard reduced over the batch axes by kind (:mod:`parallax.grad.aux_outputs`), and the
-    per-example values, which ``shard_map`` concatenates."""
-    aux, aux_examples = split_examples(res.aux, rows)
-    new, new_examples = split_examples(res.new, rows)
+    per-example values, which ``shard_map`` concatenates. ``typed``: the map checks varying
+    axes, so a leaf invariant over the batch axes is known to be shared."""
+    known = axes if typed else ()
+    aux, aux_examples = split_examples(res.aux, rows, known)
+    new, new_examples = split_examples(res.new, rows, known)
     checks = {name: lax.pmin(to_varying(ok.astype(jnp.int32), axes), axes) > 0
               for name, ok in res.checks.items()}
     shared = (mean_over(loss, axes, shards),
@@ -278,7 +281,14 @@ def scatter_grad(g, lay):
 
 
 def remaining_axes(lay, axes) -> tuple[str, ...]:
-    """The batch axes a gradient is still to be summed over after ZeRO's reduce-scatter."""
+    """The batch axes a gradient is still to be summed over after ZeRO's reduce-scatter.
+
+    Never an axis the rules split the leaf over (expert parallelism's experts): each
+    device's shard holds other parameters, whose gradients already gathered every shard's
+    tokens through the exchange's all-to-alls; they are summed only over the axes that
+    replicate them."""
+    split = lay.split_over(axes)
+    axes = tuple(a for a in axes if a not in split)
     return tuple(a for a in axes if a != lay.zero.axis) if lay.is_sharded("grad") else axes
 
 

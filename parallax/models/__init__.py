@@ -19,6 +19,10 @@ from parallax.models.llama_config import llama_flops_per_token as llama_flops_pe
 from parallax.models.llama_config import llama_param_count as llama_param_count
 from parallax.models.rope import RopeScaling as RopeScaling
 from parallax.models.mlp import MLP as MLP
+from parallax.models.moe import MoE as MoE
+from parallax.models.moe import aux_loss as moe_aux_loss
+from parallax.models.moe_config import MoEConfig as MoEConfig
+from parallax.models.gpt import moe_next_token_loss as moe_next_token_loss
 from parallax.models.mlp import mse_loss as mse_loss
 from parallax.models.pretrained import from_pretrained as from_pretrained
 from parallax.models.pretrained import save_pretrained as save_pretrained
@@ -29,12 +33,16 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "MLP",
+    "MoE",
+    "MoEConfig",
     "block_forward",
     "flops_per_token",
     "from_pretrained",
     "llama_flops_per_token",
     "llama_param_count",
     "llama_stages",
+    "moe_aux_loss",
+    "moe_next_token_loss",
     "mse_loss",
     "next_token_loss",
     "next_token_stages",

@@ -29,6 +29,8 @@ from parallax import context
 from parallax.attention import in_sequence_order, natural_order, sequence_positions
 from parallax.step import finite_check
 from parallax.models.gpt_config import GPTConfig
+from parallax.models.gpt_moe import apply_moe_blocks, take_stats
+from parallax.models.moe import MoE, aux_loss
 from parallax.models.layers import (
     CausalSelfAttention,
     FeedForward,
@@ -100,7 +102,11 @@ class Block(nnx.Module):
         self.ln1 = LayerNorm(d, ("embed",), **kw)
         self.attn = CausalSelfAttention(d, config.num_heads, rngs=rngs, out_init=resid, **kw)
         self.ln2 = LayerNorm(d, ("embed",), **kw)
-        self.mlp = FeedForward(d, config.mlp_dim, rngs=rngs, out_init=resid, **kw)
+        if config.moe is None:
+            self.mlp = FeedForward(d, config.mlp_dim, rngs=rngs, out_init=resid, **kw)
+        else:
+            self.mlp = MoE(d, config.moe, mlp_dim=config.mlp_dim, rngs=rngs, out_init=resid,
+                           **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return block_forward(self, x)
@@ -193,6 +199,8 @@ class GPT(nnx.Module):
     def apply_blocks(self, x: jax.Array) -> jax.Array:
         """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``."""
 
+        if self.config.moe is not None:
+            return apply_moe_blocks(self, x)  # and keeps the router statistics
         layers = {nnx.PARTITION_NAME: "layers"}  # strip the axis inside, put it back after
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=layers)
@@ -258,6 +266,43 @@ def next_token_loss(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     logits = jnp.asarray(model(tokens[:, :-1]), jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
     return jnp.mean(losses)
+
+
+def moe_next_token_loss(model: GPT, batch: Mapping[str, jax.Array]):
+    """``next_token_loss`` plus the MoE router's auxiliary losses, with the statistics.
+
+    For ``loss_fn`` with ``has_aux=True``: the loss is the cross-entropy plus
+    ``balance_coef * load_balance_loss + z_coef * router_z_loss`` (summed over layers).
+
+    Args:
+      model: a ``GPT`` whose config has ``moe=MoEConfig(...)``.
+      batch: ``{"tokens": int [B, T + 1]}``.
+
+    Returns:
+      ``(loss, stats)``: ``stats`` holds ``cross_entropy``, ``load_balance_loss``,
+      ``router_z_loss``, ``dropped_fraction`` (scalars) and ``expert_load`` ``[L, E]``.
+      Note: under ``px.value_and_grad`` an aux array whose leading dimension equals a
+      device's batch rows is read as per-example; keep ``L != rows`` (or drop it).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.models import GPT, GPTConfig, MoEConfig, moe_next_token_loss
+      >>> model = GPT(GPTConfig.tiny(moe=MoEConfig(num_experts=4)), rngs=nnx.Rngs(0))
+      >>> loss, stats = moe_next_token_loss(model, {"tokens": jnp.ones((2, 9), jnp.int32)})
+      >>> stats["expert_load"].shape
+      (2, 4)
+
+    References:
+      Fedus et al. 2021, "Switch Transformers"; Zoph et al. 2022, "ST-MoE".
+    """
+    if not isinstance(getattr(model, "config", None), GPTConfig) or model.config.moe is None:
+        raise ValueError("moe_next_token_loss: the model must be a GPT built from "
+                         "GPTConfig(moe=MoEConfig(...)); use next_token_loss for a dense GPT.")
+    ce = next_token_loss(model, batch)
+    stats = take_stats(model)
+    loss = ce + aux_loss(stats, model.config.moe)
+    return loss, {"cross_entropy": ce, **stats}
 
 
 def check_token_ids(api: str, tokens, vocab_size: int) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from parallax.models.moe_config import MoEConfig
 from parallax.models.padding import padded_size
 
 _SIZES = ("vocab_size", "max_seq_len", "num_layers", "num_heads", "embed_dim", "mlp_dim")
@@ -35,6 +36,10 @@ class GPTConfig:
         ids, so that the vocabulary splits over tensor-parallel ranks (Megatron's
         ``make_vocab_size_divisible_by``). Padded rows start at zero, are never looked up,
         and their logits are masked to the lowest float: the loss is the unpadded one.
+      moe: a ``MoEConfig`` to make every block's MLP a mixture of SwiGLU experts (the
+        experts' width is ``moe.mlp_dim`` or ``mlp_dim``); None (the default) keeps the
+        dense GELU MLP. Train it with ``moe_next_token_loss``, which adds the router's
+        auxiliary losses.
 
     Example:
       >>> from parallax.models import GPTConfig
@@ -52,8 +57,12 @@ class GPTConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     vocab_pad_multiple: int = 1
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"GPTConfig: moe must be a MoEConfig or None, got "
+                            f"{type(self.moe).__name__}: {self.moe!r}.")
         for field in _SIZES + ("vocab_pad_multiple",):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -103,11 +112,16 @@ class GPTConfig:
         return cls(**(dict(zip(_SIZES, sizes)) | overrides))
 
 
-def _block_params(c: GPTConfig) -> int:
+def _block_params(c: GPTConfig, active: bool = False) -> int:
+    """One block's parameters; ``active``: only those one token's forward pass uses."""
     d, f = c.embed_dim, c.mlp_dim
     # q, v: [D, H, K] + [H, K]; k: [D, H, K] (no bias); out: [H, K, D] + [D]; H*K = D
     attention = 4 * d * d + 3 * d
     mlp = (d * f + f) + (f * d + d)
+    if c.moe is not None:  # router [D, E]; per expert gate, up [D, F'], down [F', D]
+        m = c.moe
+        used = m.top_k if active else m.num_experts
+        mlp = d * m.num_experts + used * 3 * d * (m.mlp_dim or f) + 3 * d * m.shared_mlp_dim
     return attention + mlp + 2 * (2 * d)  # two LayerNorms
 
 
@@ -140,7 +154,8 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
     whether it is tied to ``wte`` or not (the logits are a matmul either way). ``6 N`` is
     2 flops per multiply-add, times 3 for forward and backward; ``12 L T D`` is the attention
     scores and weighted sum (``4 T D`` forward per layer, times 3), counted over the full
-    ``T x T`` matrix as PaLM does (causal masking saves nothing in a dense kernel).
+    ``T x T`` matrix as PaLM does (causal masking saves nothing in a dense kernel). With
+    MoE blocks, ``N`` counts the ``top_k`` experts a token uses (and the router), not all.
 
     Args:
       config: a ``GPTConfig``.
@@ -161,5 +176,6 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
     t = c.max_seq_len if seq_len is None else seq_len
     if t <= 0:
         raise ValueError(f"flops_per_token: seq_len must be positive, got {t}.")
-    n = c.num_layers * _block_params(c) + 2 * c.embed_dim + c.embed_dim * c.padded_vocab_size
+    n = (c.num_layers * _block_params(c, active=True) + 2 * c.embed_dim
+         + c.embed_dim * c.padded_vocab_size)
     return 6 * n + 12 * c.num_layers * t * c.embed_dim

@@ -43,6 +43,12 @@ def _tokens(batch: Mapping[str, jax.Array]) -> jax.Array:
 
 def embed_tokens(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     """First stage: the residual stream of ``tokens[:, :-1]``, ``[B, T, D]``."""
+    if getattr(getattr(model, "config", None), "moe", None) is not None:
+        raise ValueError(
+            "next_token_stages: this GPT has MoE blocks (GPTConfig(moe=...)), whose router "
+            "statistics and auxiliary losses the pipeline stages do not carry; MoE under "
+            "px.Pipeline is not supported yet: train it without px.Pipeline "
+            "(px.ExpertParallel, px.DataParallel, px.FSDP compose with it).")
     return model.embed(_tokens(batch)[:, :-1])
 
 

@@ -13,6 +13,8 @@ local shard, communicating through the named operators of :mod:`parallax.nn.regi
   :class:`ParallelSelfAttention` (grouped-query too), :class:`VocabParallelEmbedding`;
 * :func:`vocab_parallel_cross_entropy`: the loss from vocabulary slices;
 * random streams: :func:`dropout` (the single-device mask on every layout), :func:`rank_key`;
+* :class:`MoE`: the mixture-of-experts layer (defined in ``parallax.models.moe``, where the
+  GPT can use it; ``px.ExpertParallel`` splits its experts, see ``docs/moe.md``);
 * :class:`ParallelGPT`: ``px.models.GPT`` built from these layers;
 * :func:`tensor_parallel`, :func:`param_specs`: running them in ``shard_map``, also inside
   ``px.train_step``.
@@ -30,6 +32,7 @@ from parallax.nn.gpt import parallel_next_token_loss as parallel_next_token_loss
 from parallax.nn.linear import ColumnParallelLinear as ColumnParallelLinear
 from parallax.nn.linear import ParallelMLP as ParallelMLP
 from parallax.nn.linear import RowParallelLinear as RowParallelLinear
+from parallax.models.moe import MoE as MoE
 from parallax.nn.loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from parallax.nn.regions import copy_to_tensor as copy_to_tensor
 from parallax.nn.regions import gather_from_sequence as gather_from_sequence
@@ -46,6 +49,7 @@ from parallax.nn.shard import tensor_parallel as tensor_parallel
 
 __all__ = [
     "ColumnParallelLinear",
+    "MoE",
     "ParallelBlock",
     "ParallelGPT",
     "ParallelMLP",

@@ -16,6 +16,8 @@ tensor and sequence      tensor.py,            rules and MegatronCheck;      tes
 (Megatron)               tensor_plan.py,       parallax.nn layers; traffic   nn/, byom/
                          tensor_sequence.py    in analysis.tensor_traffic
 gradient accumulation    accumulate.py         parallax.grad.microbatches           test_equivalence
+expert (GShard, Switch)  expert.py,            ExpertExchange: two           test_expert
+                         expert_dispatch.py    all-to-alls per MoE layer
 pipeline (GPipe, 1F1B,   pipeline.py           parallax.pipeline: schedules, test_pipeline_strategy,
 interleaved, ZB, V)                            runtime, weight versions      pipeline/
 mixed precision          precision.py          casts in parallax.grad;       test_precision
@@ -26,6 +28,7 @@ mixed precision          precision.py          casts in parallax.grad;       tes
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation
 from parallax.strategies.context import ContextParallel as ContextParallel
 from parallax.strategies.data import DataParallel as DataParallel
+from parallax.strategies.expert import ExpertParallel as ExpertParallel
 from parallax.strategies.pipeline import Pipeline as Pipeline
 from parallax.strategies.precision import MixedPrecision as MixedPrecision
 from parallax.strategies.reduce_to_one import ReduceToOne as ReduceToOne

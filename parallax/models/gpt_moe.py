@@ -1,0 +1,68 @@
+"""The GPT's mixture-of-experts blocks: their forward pass, scan, and router statistics.
+
+With ``GPTConfig(moe=MoEConfig(...))`` every block's MLP is a :class:`parallax.nn.MoE`.
+The scanned blocks then return each layer's router statistics beside the residual stream;
+the GPT keeps them, stacked over layers, as a sown value (``model.moe_stats``, an
+``nnx.Intermediate``) that :func:`take_stats` reads and removes, so the loss can add the
+auxiliary losses (``moe_next_token_loss``). The dense GPT is untouched by this file.
+
+References:
+  Fedus et al. 2021, "Switch Transformers" (an auxiliary loss per MoE layer, summed);
+  Lepikhin et al. 2020, "GShard" (MoE in place of the transformer's feed-forward layer).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallax.activations import constrain
+
+RESIDUAL = ("batch", "sequence", "embed")
+
+
+def moe_block_forward(block, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One MoE block: ``(residual stream [B, T, D], this layer's router statistics)``."""
+    x = constrain(x + block.attn(block.ln1(x)), RESIDUAL)
+    y, stats = block.mlp(block.ln2(x))
+    return constrain(x + y, RESIDUAL), stats
+
+
+def apply_moe_blocks(model, x: jax.Array) -> jax.Array:
+    """All L MoE blocks as one ``nnx.scan``; the statistics are kept on ``model``."""
+    layers = {nnx.PARTITION_NAME: "layers"}
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=layers)
+    def body(x: jax.Array, block):
+        return moe_block_forward(block, x)
+
+    x, stats = body(x, model.blocks)
+    model.moe_stats = nnx.Intermediate(stats)
+    return x
+
+
+def take_stats(model) -> dict[str, jax.Array]:
+    """The router statistics of the model's last forward pass, removed from the model.
+
+    Returns:
+      ``load_balance_loss`` and ``router_z_loss`` summed over layers (Switch adds one per
+      MoE layer), ``dropped_fraction`` averaged over layers, and ``expert_load``
+      ``[L, E]``: per layer, the share of routing choices each expert got.
+
+    Raises:
+      ValueError: the model has run no MoE forward pass since the last call.
+    """
+    sown = getattr(model, "moe_stats", None)
+    if sown is None:
+        raise ValueError(
+            "moe_next_token_loss: the model holds no router statistics; call it with a GPT "
+            "built from GPTConfig(moe=MoEConfig(...)), whose forward pass records them.")
+    stats = sown.get_value()
+    del model.moe_stats
+    return {
+        "load_balance_loss": jnp.sum(stats["load_balance_loss"]),
+        "router_z_loss": jnp.sum(stats["router_z_loss"]),
+        "dropped_fraction": jnp.mean(stats["dropped_fraction"]),
+        "expert_load": stats["expert_load"],
+    }

@@ -1,0 +1,211 @@
+"""A mixture-of-experts layer in Flax NNX: router, stacked SwiGLU experts, capacity or dropless.
+
+``MoE(x)`` returns ``(y, stats)``: the layer's output and its router statistics (the two
+auxiliary losses, the dropped fraction, the load per expert) for the step to add to its
+loss (:func:`aux_loss`). The experts are one stacked weight per projection whose leading
+dimension is named ``"expert"``; a strategy maps that name to a mesh axis.
+
+Two ways to reach the experts:
+
+- with a capacity (``capacity_factor``): GShard's dispatch and combine tensors move each
+  sequence's tokens into ``[E, C]`` slots, the experts run as one batched matmul over E,
+  and the outputs are combined back with the gates; choices past an expert's capacity are
+  dropped (their MoE output is zero);
+- dropless (``capacity_factor=None``): the ``N k`` choices are sorted by expert and the
+  experts run as grouped matmuls with ``jax.lax.ragged_dot`` (MegaBlocks' idea); where
+  that is missing, or under expert parallelism, every expert gets ``S`` slots per sequence
+  (padded: nothing can drop, at ``E / k`` times the compute and traffic).
+
+Under a strategy with an expert axis (``px.ExpertParallel``) the ``[G, E, C, D]`` slots go
+through the strategy's exchange (two all-to-alls, ``parallax.strategies.expert_dispatch``),
+read from the step context: this file names no mesh axis.
+
+References:
+  Lepikhin et al. 2020, "GShard" (dispatch/combine einsums, capacity); Fedus et al. 2021,
+  "Switch Transformers"; Shazeer 2020, "GLU Variants Improve Transformer" (SwiGLU);
+  Gale et al. 2022, "MegaBlocks" (dropless grouped matmuls); DeepSeek-AI 2024,
+  "DeepSeekMoE" / "DeepSeek-V3" (shared expert, sigmoid scores).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from parallax import context
+from parallax.comm.varying import to_varying
+from parallax.models.layers import annotated_param
+from parallax.models.moe_config import MoEConfig
+from parallax.models.moe_routing import dispatch_tensors, route, router_stats
+
+Initializer = nnx.initializers.Initializer
+
+
+def swiglu_experts(tokens: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array) -> jax.Array:
+    """Each expert's SwiGLU on its slots: ``[G, E, C, D]`` -> ``[G, E, C, D]``.
+
+    ``E`` is however many experts the weights hold (all, or one device's share).
+    """
+    gate = jnp.einsum("gecd,edf->gecf", tokens, w_gate)
+    up = jnp.einsum("gecd,edf->gecf", tokens, w_up)
+    return jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, w_down)
+
+
+class MoE(nnx.Module):
+    """Top-k routed SwiGLU experts (and an optional shared expert) on ``[B, S, D]``.
+
+    Args:
+      embed_dim: D, the input and output width.
+      config: a :class:`MoEConfig`.
+      mlp_dim: each expert's hidden width when ``config.mlp_dim`` is None.
+      rngs: the ``nnx.Rngs`` for the weights.
+      out_init: init of the down projections (the GPT scales it with depth).
+      dtype: compute dtype (the router always computes in float32).
+      param_dtype: storage dtype.
+
+    Returns:
+      Calling the layer on ``x [B, S, D]`` gives ``(y [B, S, D], stats)``; ``stats`` holds
+      ``load_balance_loss``, ``router_z_loss``, ``dropped_fraction`` (scalars) and
+      ``expert_load`` (``[E]``), each over the whole batch.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from parallax.nn import MoE
+      >>> from parallax.models import MoEConfig
+      >>> moe = MoE(8, MoEConfig(num_experts=4, top_k=2, mlp_dim=16), rngs=nnx.Rngs(0))
+      >>> y, stats = moe(jnp.ones((2, 6, 8)))
+      >>> y.shape, stats["expert_load"].shape
+      ((2, 6, 8), (4,))
+
+    References:
+      GShard (Lepikhin et al. 2020), Switch (Fedus et al. 2021), DeepSeek-V3 (2024).
+    """
+
+    def __init__(self, embed_dim: int, config: MoEConfig, *, rngs: nnx.Rngs,
+                 mlp_dim: int | None = None,
+                 out_init: Initializer = nnx.initializers.normal(0.02),
+                 dtype=None, param_dtype=jnp.float32):
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"parallax.nn.MoE: config must be a MoEConfig, got "
+                            f"{type(config).__name__}.")
+        f = config.mlp_dim or mlp_dim
+        if f is None:
+            raise ValueError("parallax.nn.MoE: give the experts' width: MoEConfig(mlp_dim=F) "
+                             "or MoE(..., mlp_dim=F).")
+        e, d, init = config.num_experts, embed_dim, nnx.initializers.normal(0.02)
+        self.config, self.dtype = config, dtype
+        self.router = annotated_param(init, rngs.params(), (d, e), ("embed", None), param_dtype)
+        stacked_in, stacked_out = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+        self.w_gate = annotated_param(init, rngs.params(), (e, d, f), stacked_in, param_dtype)
+        self.w_up = annotated_param(init, rngs.params(), (e, d, f), stacked_in, param_dtype)
+        self.w_down = annotated_param(out_init, rngs.params(), (e, f, d), stacked_out,
+                                      param_dtype)
+        fs = config.shared_mlp_dim
+        if fs:
+            self.shared_gate = annotated_param(init, rngs.params(), (d, fs), ("embed", "mlp"),
+                                               param_dtype)
+            self.shared_up = annotated_param(init, rngs.params(), (d, fs), ("embed", "mlp"),
+                                             param_dtype)
+            self.shared_down = annotated_param(out_init, rngs.params(), (fs, d),
+                                               ("mlp", "embed"), param_dtype)
+        else:
+            self.shared_gate = self.shared_up = self.shared_down = None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        if x.ndim != 3:
+            raise ValueError(f"parallax.nn.MoE: x must be [batch, seq, embed], got "
+                             f"{list(x.shape)}.")
+        c, dtype = self.config, self.dtype or x.dtype
+        x = x.astype(dtype)
+        logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32),
+                            self.router[...].astype(jnp.float32))
+        routing = route(logits, c.top_k, c.score)
+        weights = [w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down)]
+        exchange = expert_exchange(c.num_experts)
+        if c.dropless and exchange is None and hasattr(lax, "ragged_dot"):
+            y = grouped_experts(x, routing, weights)
+            kept = jnp.ones(routing.experts.shape, bool)
+        else:
+            capacity = c.capacity(x.shape[1])
+            dispatch, combine, kept = dispatch_tensors(routing, c.num_experts, capacity)
+            slots = jnp.einsum("gsec,gsd->gecd", dispatch.astype(dtype), x)
+            run = lambda t: swiglu_experts(t, *weights)  # noqa: E731 - the local experts
+            out = run(slots) if exchange is None else exchange(slots, run)
+            y = jnp.einsum("gsec,gecd->gsd", combine.astype(dtype), out)
+        if self.shared_gate is not None:
+            gate = x @ self.shared_gate[...].astype(dtype)
+            up = x @ self.shared_up[...].astype(dtype)
+            y = y + (jax.nn.silu(gate) * up) @ self.shared_down[...].astype(dtype)
+        stats = router_stats(logits, routing, kept, c.num_experts, batch_mean())
+        return y, stats
+
+
+def grouped_experts(x: jax.Array, routing, weights) -> jax.Array:
+    """Dropless: the ``N k`` choices sorted by expert, three ``ragged_dot``s, unsorted."""
+    g, s, d = x.shape
+    k = routing.experts.shape[-1]
+    w_gate, w_up, w_down = weights
+    flat = routing.experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    rows = x.reshape(g * s, d)[order // k]
+    h = jax.nn.silu(lax.ragged_dot(rows, w_gate, sizes)) * lax.ragged_dot(rows, w_up, sizes)
+    out = jnp.zeros((g * s * k, d), x.dtype).at[order].set(lax.ragged_dot(h, w_down, sizes))
+    gates = routing.gates.reshape(g * s, k, 1).astype(x.dtype)
+    return jnp.sum(out.reshape(g * s, k, d) * gates, axis=1).reshape(g, s, d)
+
+
+def expert_exchange(num_experts: int):
+    """The active strategy's token exchange, or None (the experts run where the tokens are).
+
+    Warns once per trace when a step on several devices has no expert axis: the experts
+    then run replicated on every device.
+    """
+    ctx = context.current()
+    if ctx is None:
+        return None
+    experts = ctx.strategy.experts
+    if experts is None:
+        if ctx.mesh.size > 1:
+            warnings.warn(
+                f"parallax.nn.MoE: the strategy {ctx.strategy.name} has no expert axis, so "
+                f"all {num_experts} experts are replicated on each of the {ctx.mesh.size} "
+                "devices and every device runs them on its own tokens (correct, but no "
+                "expert parallelism); compose px.ExpertParallel('expert') with a mesh "
+                "axis expert=N to split them.", stacklevel=3)
+        return None
+    if experts.axis not in ctx.manual_axes:
+        return None  # the GSPMD style: the weights' sharding is XLA's to follow
+    return lambda slots, run: experts.exchange(slots, run)
+
+
+def batch_mean():
+    """``x -> x`` averaged over the batch shards of the active step (identity otherwise)."""
+    ctx = context.current()
+    axes = () if ctx is None else tuple(a for a in ctx.strategy.batch_axes
+                                        if a in ctx.manual_axes)
+    if not axes:
+        return lambda x: x
+    shards = 1
+    for a in axes:
+        shards *= ctx.mesh.shape[a]
+    return lambda x: lax.psum(to_varying(x, axes), axes) / shards
+
+
+def aux_loss(stats: dict[str, jax.Array], config: MoEConfig) -> jax.Array:
+    """``balance_coef * load_balance_loss + z_coef * router_z_loss``, to add to the loss.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> round(float(aux_loss({"load_balance_loss": jnp.float32(1.0),
+      ...                       "router_z_loss": jnp.float32(2.0)}, MoEConfig())), 6)
+      0.012
+    """
+    return (config.balance_coef * stats["load_balance_loss"]
+            + config.z_coef * stats["router_z_loss"])

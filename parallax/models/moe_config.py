@@ -1,0 +1,113 @@
+"""MoEConfig: the sizes and choices of a mixture-of-experts layer, validated on creation.
+
+References:
+  Shazeer et al. 2017, "Outrageously Large Neural Networks" (the sparsely-gated MoE layer);
+  Lepikhin et al. 2020, "GShard" (top-2 gating, expert capacity, dropped tokens);
+  Fedus et al. 2021, "Switch Transformers" (top-1, capacity factor, load-balancing loss);
+  Zoph et al. 2022, "ST-MoE" (router z-loss); DeepSeek-AI 2024, "DeepSeek-V3" (sigmoid
+  scores normalised over the chosen experts, a shared expert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """How a ``parallax.nn.MoE`` layer (and the GPT's MoE blocks) route and compute.
+
+    Args:
+      num_experts: E, the number of SwiGLU experts (stored as one stacked weight whose
+        leading dimension has the logical name ``"expert"``).
+      top_k: k, experts per token: 1 (Switch) or 2 (GShard, Mixtral).
+      mlp_dim: each expert's hidden width F; None uses the model's ``mlp_dim``.
+      capacity_factor: each expert takes at most ``ceil(capacity_factor * S * k / E)``
+        tokens of a sequence of S tokens (GShard's expert capacity, per sequence so that
+        the same tokens drop however the batch is split); the rest are dropped (their MoE
+        output is zero; the residual carries them). None: dropless (every token reaches its
+        k experts).
+      score: ``"softmax"`` (Switch, GShard) or ``"sigmoid"`` (DeepSeek-V3) router scores.
+      shared_mlp_dim: hidden width of a shared SwiGLU expert every token also goes through
+        (DeepSeek's shared expert); 0 for none.
+      balance_coef: weight of the Switch load-balancing loss in ``aux_loss``.
+      z_coef: weight of the ST-MoE router z-loss in ``aux_loss``.
+
+    Raises:
+      TypeError: a size is not an int, or a coefficient is not a number.
+      ValueError: ``num_experts < 1``, ``top_k`` not 1 or 2, ``top_k > num_experts``,
+        ``capacity_factor <= 0``, an unknown score, a negative size or coefficient.
+
+    Example:
+      >>> from parallax.models import MoEConfig
+      >>> MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0).capacity(16)
+      4
+    """
+
+    num_experts: int = 4
+    top_k: int = 2
+    mlp_dim: int | None = None
+    capacity_factor: float | None = 1.25
+    score: str = "softmax"
+    shared_mlp_dim: int = 0
+    balance_coef: float = 0.01
+    z_coef: float = 0.001
+
+    def __post_init__(self):
+        api = "MoEConfig"
+        for field in ("num_experts", "top_k", "mlp_dim", "shared_mlp_dim"):
+            value = getattr(self, field)
+            if value is None and field == "mlp_dim":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{api}: {field} must be an int, got {type(value).__name__}: "
+                                f"{value!r}.")
+        if self.num_experts < 1:
+            raise ValueError(f"{api}: num_experts={self.num_experts} must be >= 1.")
+        if self.top_k not in (1, 2):
+            raise ValueError(f"{api}: top_k={self.top_k} must be 1 (Switch) or 2 (GShard).")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"{api}: top_k={self.top_k} > num_experts={self.num_experts}: a token cannot "
+                f"go to {self.top_k} different experts out of {self.num_experts}; use "
+                f"top_k <= {self.num_experts} or more experts.")
+        if self.mlp_dim is not None and self.mlp_dim < 1:
+            raise ValueError(f"{api}: mlp_dim={self.mlp_dim} must be >= 1 (or None).")
+        if self.shared_mlp_dim < 0:
+            raise ValueError(f"{api}: shared_mlp_dim={self.shared_mlp_dim} must be >= 0 "
+                             "(0: no shared expert).")
+        cf = self.capacity_factor
+        if cf is not None:
+            if isinstance(cf, bool) or not isinstance(cf, (int, float)):
+                raise TypeError(f"{api}: capacity_factor must be a number or None (dropless), "
+                                f"got {type(cf).__name__}: {cf!r}.")
+            if not cf > 0:
+                raise ValueError(
+                    f"{api}: capacity_factor={cf!r} must be > 0 (1.0: each expert takes its "
+                    "even share S*k/E of a sequence's tokens; 1.25 is Switch's default), or "
+                    "None for dropless routing.")
+        if self.score not in SCORES:
+            raise ValueError(f"{api}: score={self.score!r} must be one of {SCORES}.")
+        for field in ("balance_coef", "z_coef"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{api}: {field} must be a number, got {value!r}.")
+            if value < 0:
+                raise ValueError(f"{api}: {field}={value} must be >= 0.")
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert for a sequence of ``tokens`` tokens (at most ``tokens``).
+
+        Dropless routing under expert parallelism pads every expert to ``tokens`` slots.
+        """
+        if self.dropless:
+            return tokens
+        slots = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        return max(1, min(tokens, slots))

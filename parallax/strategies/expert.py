@@ -1,0 +1,86 @@
+"""Expert parallelism: MoE experts split over a mesh axis that also splits the batch.
+
+``px.ExpertParallel(axis)`` is GShard's layout: every layer but the experts is data
+parallel over ``axis`` (each device has its own tokens), and the stacked expert weights
+(logical axis ``"expert"``) are split over it, ``E / n`` experts per device. An MoE layer's
+tokens reach their experts through two all-to-alls (:mod:`.expert_dispatch`). Gradients of
+the experts are summed only over the batch axes that replicate them (``data``, not
+``axis``: the all-to-alls already brought every device's tokens to them).
+
+What it composes with (tested in ``tests/strategies/test_expert.py``): ``DataParallel``
+on another axis, ``FSDP``/``ZeRO`` (the experts' other dimensions sharded over ``fsdp``).
+The exchange runs in the explicit style (``shard_map``); under ``style="gspmd"`` the MoE
+layer runs on the global arrays and XLA chooses the collectives from the weights'
+shardings (no all-to-all is promised). Not supported: ``px.Pipeline`` with an MoE GPT
+(refused by the GPT's pipeline stages), tensor parallelism inside the experts (untested).
+
+References:
+  Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers";
+  Rajbhandari et al. 2022, "DeepSpeed-MoE".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh
+
+from parallax.mesh import describe
+from parallax.strategies.expert_dispatch import ExpertExchange
+from parallax.strategy import Strategy, check_style
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDivisibility:
+    """``param_checks`` entry: the expert count must split evenly over the axis."""
+
+    axis: str
+
+    def __call__(self, names, shape, mesh: Mesh, *, path, api: str) -> None:
+        if "expert" not in names or self.axis not in mesh.shape:
+            return
+        dim, n = list(names).index("expert"), mesh.shape[self.axis]
+        if shape[dim] % n:
+            experts = shape[dim]
+            raise ValueError(
+                f"{api}: px.ExpertParallel({self.axis!r}) splits the experts of parameter "
+                f"{_path_text(path)} (shape {list(shape)}, {experts} experts on dimension "
+                f"{dim}) over mesh axis {self.axis}={n} of {describe(mesh)}, and {n} does not "
+                f"divide {experts}; use a number of experts that is a multiple of {n} "
+                f"(MoEConfig(num_experts={experts + n - experts % n})) or {self.axis}= a "
+                f"divisor of {experts}.")
+
+
+def _path_text(path) -> str:
+    return jax.tree_util.keystr(tuple(path))
+
+
+def ExpertParallel(axis: str = "expert", *, style: str | None = None) -> Strategy:
+    """Splits MoE experts over ``axis`` and the batch over it too (GShard's layout).
+
+    Args:
+      axis: the mesh axis (``px.make_mesh(expert=n)``).
+      style: ``"explicit"`` (default: two all-to-alls per MoE layer forward, in the
+        step's ``shard_map``) or ``"gspmd"`` (XLA follows the weights' shardings).
+
+    Returns:
+      A :class:`parallax.Strategy` with the rule ``"expert" -> axis``, ``axis`` as a batch
+      axis, and ``experts`` set to the exchange.
+
+    Example:
+      >>> import parallax as px
+      >>> s = px.compose(px.DataParallel("data"), px.ExpertParallel("expert"))
+      >>> s.batch_axes, s.rule_table["expert"], s.experts
+      (('data', 'expert'), 'expert', ExpertExchange('expert'))
+
+    References:
+      Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers".
+    """
+    if not isinstance(axis, str):
+        raise TypeError(f"px.ExpertParallel: axis must be a mesh axis name (str), got "
+                        f"{type(axis).__name__}: {axis!r}.")
+    style = check_style("px.ExpertParallel", style)
+    return Strategy(name=f"ExpertParallel({axis!r})", rules=(("expert", axis),),
+                    batch_axes=(axis,), style=style, experts=ExpertExchange(axis),
+                    param_checks=(ExpertDivisibility(axis),))

@@ -61,6 +61,7 @@ def peak_row(name, stages, micro, chunks, remat, parts, config=None, rows=16):
 
 def check(case, **kw):
     row, report = peak_row(*case, **kw)
+    print(f"compiled/predicted peak {case}: {row.ratio:.3f}")
     assert 1 / TOLERANCE <= row.ratio <= TOLERANCE, report.text()
     assert report.row("pipeline buffers").predicted > 0
     return row.ratio

@@ -8,8 +8,14 @@ are dominated by per-operation overhead and by whatever else the machine runs: r
 ratios of one run, and repeat it (the test suite checks the same choice against brute force
 by the compiled programs' estimates, which are deterministic).
 
+``--validate`` prints, without running any step, the brute-force table by the compiled
+programs' rooflines (what ``tests/planner/test_plan_validated.py`` checks): every
+candidate's predicted and compiled peak, their ratio, its compiled roofline over the best
+that fits, and the planner's choice.
+
 Usage:
-  python benchmarks/plan.py [--model mlp|gpt] [--rounds 15] [--budget-quantile 0.5]
+  python benchmarks/plan.py [--model mlp|gpt] [--devices 4] [--rounds 15]
+                            [--budget-quantile 0.5] [--validate]
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=15, help="timed calls of each")
     parser.add_argument("--budget-quantile", type=float, default=0.5,
                         help="memory budget: this quantile of the compiled peaks (1: none)")
+    parser.add_argument("--validate", action="store_true",
+                        help="print the compiled-roofline table against brute force; no runs")
     args = parser.parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
@@ -69,6 +77,20 @@ def main(argv=None) -> int:
               else peaks[int(args.budget_quantile * (len(peaks) - 1))])
     chosen = px.plan(make_state, loss_fn, batch, devices=args.devices, space=space,
                      memory_per_device=budget).best
+    if args.validate:
+        fit = [e for e in compiled if budget is None or e.compiled_peak <= budget]
+        best = min(e.compiled_time for e in fit)
+        print(f"\n{args.model} on {args.devices} devices, budget "
+              f"{'none' if budget is None else f'{budget / 1e6:.2f} MB'}")
+        print(f"{'configuration':<42}{'pred MB':>9}{'peak MB':>9}{'ratio':>7}"
+              f"{'roofline ms':>13}{'/ best':>8}")
+        for e in sorted(compiled, key=lambda e: e.compiled_time):
+            mark = " <- planner" if e.candidate.label == chosen.candidate.label else ""
+            over = "" if e in fit else " (does not fit)"
+            print(f"{e.candidate.label:<42}{e.predicted_peak / 1e6:>9.2f}"
+                  f"{e.compiled_peak / 1e6:>9.2f}{e.compiled_peak / e.predicted_peak:>7.2f}"
+                  f"{e.compiled_time * 1e3:>13.2f}{e.compiled_time / best:>8.2f}{mark}{over}")
+        return 0
     runs = []
     for e in compiled:
         mesh = px.make_mesh(**e.candidate.axes, devices=jax.devices()[: args.devices])

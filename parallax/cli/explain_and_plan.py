@@ -132,9 +132,10 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--chip", default=None, choices=list(roofline.CHIPS),
-                        help="the roofline's device (default: the devices' own)")
+                        help="the roofline's device (default: the devices' own); it implies "
+                             "its link (h100 -> nvlink-h100, tpu-v5e -> tpu-v5e-ici)")
     parser.add_argument("--link", default=None,
-                        help="a parallax.comm.cost link preset (default: the backend's)")
+                        help="a parallax.comm.cost link preset (default: the chip's own)")
 
 
 def add_explain_arguments(parser: argparse.ArgumentParser) -> None:

@@ -58,6 +58,10 @@ PRESETS: dict[str, Link] = {
         "nvlink-h100", 3e-6, 450e9,
         "bandwidth: NVIDIA H100 Tensor Core GPU datasheet, NVLink 900 GB/s per GPU "
         "(both directions) -> 450 GB/s each way; latency: assumed (a few us per NCCL step)."),
+    "nvlink-a100": Link(
+        "nvlink-a100", 3e-6, 300e9,
+        "bandwidth: NVIDIA A100 Tensor Core GPU datasheet, NVLink 600 GB/s per GPU (both "
+        "directions) -> 300 GB/s each way; latency: assumed (a few us per NCCL step)."),
     "tpu-v5e-ici": Link(
         "tpu-v5e-ici", 1e-6, 50e9,
         "bandwidth: Google Cloud TPU v5e system architecture page, ICI 400 GB/s per chip "

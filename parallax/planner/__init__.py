@@ -7,6 +7,7 @@ strategies and pipeline schedules, so it sits above both."""
 from parallax.planner import candidates as candidates
 from parallax.planner import choose as choose
 from parallax.planner import explain as explain
+from parallax.planner import pipeline_memory as pipeline_memory
 from parallax.planner import predicted_memory as predicted_memory
 from parallax.planner import predicted_traffic as predicted_traffic
 from parallax.planner import roofline as roofline

@@ -37,7 +37,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from parallax import rules
 from parallax.analysis import hlo, program
-from parallax.planner import roofline
+from parallax.planner import pipeline_memory, roofline
 from parallax.planner import predicted_memory as pm
 from parallax.planner import predicted_traffic as pt
 from parallax.planner.candidates import TP_NAMES, SearchSpace, enumerate_candidates
@@ -45,6 +45,7 @@ from parallax.planner.plan_result import Evaluation, Plan, table
 from parallax.planner.setting import StepSetting, model_config, read_setting
 from parallax.comm import cost
 from parallax.grad.gradients import value_and_grad
+from parallax.pipeline.stages import Stages
 from parallax.mesh import make_mesh
 from parallax.state import TrainState
 from parallax.step.placement import init
@@ -77,11 +78,14 @@ def _plain_flops(state: TrainState, loss_fn, batch) -> float:
         return program.matmul_flops(jax.jit(grads).lower(state.params, batch).compile())
 
 
-def _predict(e: Evaluation, s: StepSetting, generic: dict, device, link) -> None:
+def _predict(e: Evaluation, s: StepSetting, generic: dict, device, link,
+             slots: pipeline_memory.LayerSlots | None = None) -> None:
     state = pm.state_bytes(s)
     args = sum(state[k].value for k in ("parameters", "optimizer state", "other state"))
     args += s.batch_bytes / s.size(s.batch_axes)
-    temps, act = pm.temporary_bytes(s), None
+    act = None
+    temps = (pipeline_memory.temporaries(s, slots)[0] if slots is not None
+             else pm.temporary_bytes(s))
     if temps is None:  # no GPT formula: the plain step's residuals, split like the batch
         split = s.size(s.batch_axes) * (s.pipeline.microbatches if s.pipeline else 1)
         act = generic["residuals"] / split / s.tensor
@@ -175,13 +179,16 @@ def plan(state_fn: Callable[[], TrainState], loss_fn: Callable, batch, *,
         default. With more than are present, candidates are ranked by the cost model only.
       memory_per_device: bytes each device may use; default the devices' own limit
         (``memory_stats()``), none on CPU.
-      top_k: candidates compiled (more when none of them fits).
+      top_k: candidates compiled (more when none of them fits); also how many of those
+        predicted not to fit are compiled before being rejected (the best predicted); the
+        others' verdict says ``"rejected: predicted only"``.
       space: a :class:`parallax.planner.candidates.SearchSpace` (what may be chosen).
-      chip, link: the roofline's device and link (default: the devices' own).
+      chip, link: the roofline's device and link (default: the devices' own chip; a chip
+        implies its link, ``"h100"`` -> ``"nvlink-h100"``, unless ``link`` is given).
       measure_steps: also run each compiled candidate this many steps, alternating, and
         rank by the median (needs the devices present).
       exhaustive: compile every valid candidate (brute force: what the cost model's pruning
-        is validated against).
+        is validated against); no verdict then rests on a prediction.
 
     Returns:
       A :class:`Plan`: ``mesh, strategy = plan``; ``plan.table()`` explains the choice.
@@ -215,7 +222,7 @@ def plan(state_fn: Callable[[], TrainState], loss_fn: Callable, batch, *,
     concrete, batch = batch, _abstract(batch)
     backend = devices[0].platform
     device = roofline.chip(chip) if chip else roofline.chip_for(devices[0])
-    link = cost.preset(link) if link else cost.default_link(backend, xla=True)
+    link = roofline.link_for(device, link, backend)
     if memory_per_device is None and backend != "cpu":
         memory_per_device = (devices[0].memory_stats() or {}).get("bytes_limit")
     evaluations, settings = _predicted(abstract, loss_fn, batch, count, space or SearchSpace(),
@@ -230,10 +237,11 @@ def plan(state_fn: Callable[[], TrainState], loss_fn: Callable, batch, *,
     for e in ranked:
         if e.fits is None and not compiled and memory_per_device is not None and (
                 e.predicted_peak > memory_per_device):
-            e.fits, e.note = False, "predicted not to fit"
+            e.fits, e.note = False, "rejected: predicted only"
         elif e.fits is None:
             e.note = "not compiled" if compiled else "ranked by the cost model only"
-    return _choose(evaluations, count, devices, compiled, memory_per_device)
+    priced = f"times priced for chip {device.name}, link {link.name}"
+    return _choose(evaluations, count, devices, compiled, memory_per_device, priced)
 
 
 def _predicted(abstract, loss_fn, batch, count, space, backend, device, link):
@@ -248,7 +256,7 @@ def _predicted(abstract, loss_fn, batch, count, space, backend, device, link):
         space=space)
     generic = {} if config else {"residuals": _residual_bytes(abstract, loss_fn, batch),
                                  "flops": _plain_flops(abstract, loss_fn, batch)}
-    evaluations, settings = [], {}
+    evaluations, settings, traced = [], {}, {}
     for cand in found:
         e = Evaluation(cand)
         evaluations.append(e)
@@ -261,36 +269,65 @@ def _predicted(abstract, loss_fn, batch, count, space, backend, device, link):
         except ValueError as error:  # the layout refuses it (an axis that does not divide)
             e.fits, e.note = False, str(error).splitlines()[0][:90]
             continue
-        _predict(e, settings[id(e)], generic, device, link)
+        _predict(e, settings[id(e)], generic, device, link,
+                 _slots(settings[id(e)], abstract, batch, loss_fn, traced))
     return evaluations, settings
+
+
+def _slots(s: StepSetting, abstract, batch, loss_fn, traced: dict):
+    """The pipeline runtime's slot sizes for a pipelined candidate (None otherwise), traced
+    once per micro-batch size, tensor split and checkpoint policy."""
+    if s.pipeline is None or not isinstance(loss_fn, Stages):
+        return None
+    key = (s.rows_per_device // s.pipeline.microbatches, s.tensor, s.sequence_parallel,
+           s.pipeline.policy)
+    if key not in traced:
+        traced[key] = pipeline_memory.layer_slots(s, abstract, batch, loss_fn)
+    return traced[key]
+
+
+def _family(e: Evaluation) -> str:
+    """The predictor that priced a candidate's memory: the pipeline runtime's buffers, or
+    the published formulas (their errors differ, so each calibrates only itself)."""
+    return "pipeline" if "pp:" in e.candidate.label else "formulas"
 
 
 def _compile_top(ranked, settings, abstract, loss_fn, batch, devices, device, link, budget,
                  top_k, exhaustive) -> dict:
     """Compiles the best-predicted candidates (every one when ``exhaustive``) until ``top_k``
-    of them are compiled and one fits (at most ``3 top_k``); returns those that fit."""
-    built, calibration = {}, []  # calibration: compiled / predicted peaks so far
+    of them are compiled and one fits (at most ``3 top_k``), then the ``top_k`` best of
+    those it would reject for memory on the prediction alone (a prediction is checked
+    before it rejects); returns those that fit."""
+    built, calibration, rejected = {}, {}, []  # calibration: compiled / predicted peaks
     for e in _diverse(ranked):
         enough = len(built) >= 3 * top_k or (len(built) >= top_k and any(x.fits for x in built))
         if enough and not exhaustive:
             break
         if budget is not None and not exhaustive:
-            # The most optimistic correction seen (compiled over predicted peak), and a 10%
-            # margin: prune only what clearly cannot fit; the compiled peak decides the rest.
-            scale = min(calibration) if calibration else 1.0
-            if e.predicted_peak > budget or (
-                    calibration and e.predicted_peak * scale > 1.1 * budget):
+            # The most optimistic correction seen for this family (compiled over predicted
+            # peak) and a 10% margin: set aside what clearly cannot fit.
+            seen = calibration.get(_family(e), [])
+            scale = min(seen) if seen else 1.0
+            if e.predicted_peak > budget or e.predicted_peak * scale > 1.1 * budget:
                 e.fits = False
-                e.note = "predicted not to fit" + (" (calibrated)" if calibration else "")
+                e.note = "rejected: predicted only" + (" (calibrated)" if seen else "")
+                rejected.append(e)
                 continue
         built[e] = _compile(e, abstract, loss_fn, batch, devices, device, link, budget,
                             settings[id(e)])
         if e.compiled_peak and e.predicted_peak:
-            calibration.append(e.compiled_peak / e.predicted_peak)
+            calibration.setdefault(_family(e), []).append(e.compiled_peak / e.predicted_peak)
+    for e in sorted(rejected, key=lambda x: x.predicted_time)[:top_k]:
+        built[e] = _compile(e, abstract, loss_fn, batch, devices, device, link, budget,
+                            settings[id(e)])
+        if e.fits:
+            e.note = "fits (predicted not to)"
+        elif e.compiled_peak is not None:
+            e.note = "does not fit (compiled, as predicted)"
     return {e: made for e, made in built.items() if made is not None and e.fits}
 
 
-def _choose(evaluations, count, devices, compiled, budget) -> Plan:
+def _choose(evaluations, count, devices, compiled, budget, priced: str) -> Plan:
     """The best usable evaluation as a :class:`Plan`, or the error with the table."""
     usable = [e for e in evaluations if e.fits or (e.fits is None and not compiled)]
     if not usable:
@@ -300,14 +337,14 @@ def _choose(evaluations, count, devices, compiled, budget) -> Plan:
                "batch or model, or raise memory_per_device" if budget
                else "compiles; see each one's verdict")
         raise ValueError(f"{API}: no configuration of {count} devices {why}. The candidates, "
-                         "smallest peak first:\n" + table(order, budget, 8))
+                         "smallest peak first:\n" + table(order, budget, 8, priced))
     best = min(usable, key=lambda e: (e.time, e.candidate.label))
     order = sorted(evaluations, key=lambda e: (e is not best, not e.fits, e.time))
     best.note = "chosen" + (f" ({best.note})" if best.note and best.note != "fits" else "")
     axes = best.candidate.axes
     mesh = (make_mesh(**axes, devices=devices[: math.prod(axes.values())]) if compiled
             else _abstract_mesh(axes))
-    return Plan(mesh, best.candidate.strategy, order, budget)
+    return Plan(mesh, best.candidate.strategy, order, budget, priced)
 
 
 def _abstract_mesh(axes: dict) -> AbstractMesh:

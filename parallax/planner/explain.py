@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from parallax.analysis import hlo, program
-from parallax.planner import roofline
+from parallax.planner import pipeline_memory, roofline
 from parallax.planner import predicted_memory as pm
 from parallax.planner import predicted_traffic as pt
 from parallax.planner.report import Report, Row
@@ -28,6 +28,8 @@ from parallax.planner.setting import StepSetting, read_setting
 from parallax.comm import cost
 from parallax.mesh import describe
 from parallax.models.gpt_config import GPTConfig
+from parallax.models.gpt_pipeline import next_token_stages
+from parallax.pipeline.stages import Stages
 from parallax.step.spmd_step import TrainStep
 
 API = "px.explain"
@@ -65,7 +67,20 @@ def _measured_gradients(found, counts, setting: StepSetting) -> float | None:
     return max(groups.values()) if groups else None
 
 
-def _memory_rows(s: StepSetting, compiled, state, batch, found, counts) -> list[Row]:
+def _pipeline_temporaries(s: StepSetting, state, batch, stages):
+    """The pipeline runtime's temporaries (:mod:`parallax.planner.pipeline_memory`), when the
+    step pipelines a model whose ``Stages`` are known (given, or the GPT's); else None."""
+    if s.pipeline is None:
+        return None
+    if stages is None and s.config is not None:
+        stages = next_token_stages
+    if not isinstance(stages, Stages):
+        return None
+    return pipeline_memory.temporaries(s, pipeline_memory.layer_slots(s, state, batch, stages))
+
+
+def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
+                 stages=None) -> list[Row]:
     predicted = pm.state_bytes(s)
     state_bytes, batch_bytes = program.argument_bytes(compiled, (state, batch))
     measured = {"param": 0, "opt": 0, "other": 0}
@@ -94,7 +109,11 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts) -> list[
     act = pm.activation_bytes(s)
     if act is not None:
         rows.append(Row(MEMORY, "activations", act.value, None, how=act.how))
-    temps = pm.temporary_bytes(s)
+    temps, piped = pm.temporary_bytes(s), _pipeline_temporaries(s, state, batch, stages)
+    if piped is not None:
+        temps, parts = piped
+        rows.append(Row(MEMORY, "pipeline buffers", sum(parts.values()), None,
+                        how=", ".join(f"{k} {v / 1e6:.3g} MB" for k, v in parts.items() if v)))
     why = REASONS["temporaries"] + ("; " + REASONS["pipeline buffers"] if s.pipeline else "")
     rows.append(Row(MEMORY, "temporaries", temps.value if temps else None, mem.temp_bytes,
                     how=temps.how if temps else "memory_analysis", reason=why))
@@ -145,7 +164,7 @@ def _time(step: TrainStep, state, batch, steps: int) -> float | None:
 
 def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
             chip: roofline.Chip | str | None = None, link: cost.Link | str | None = None,
-            timing_steps: int = 0) -> Report:
+            timing_steps: int = 0, stages: Stages | None = None) -> Report:
     """Predicted next to measured memory, collectives, flops, bubble and time of a step.
 
     Args:
@@ -156,9 +175,12 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
         activation, Megatron and flop formulas need it.
       chip: a :class:`parallax.planner.roofline.Chip` or preset name (default: the
         devices' own, ``"cpu-sim"`` on CPU).
-      link: a ``parallax.comm.cost`` link or preset (default: the backend's).
+      link: a ``parallax.comm.cost`` link or preset (default: the chip's own, e.g.
+        ``"nvlink-h100"`` for ``chip="h100"``; see ``roofline.link_for``).
       timing_steps: also run the step this many times on a copy of ``state`` and report the
         median time (0: do not run; an abstract state is never run).
+      stages: the pipelined loss (a ``px.pipeline.Stages``), whose layer template sizes the
+        pipeline runtime's rings (default: the GPT's ``next_token_stages`` for a GPT).
 
     Returns:
       A :class:`parallax.planner.report.Report`: ``print(report)`` for text,
@@ -200,9 +222,9 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
     found = hlo.collectives(text, mesh)
     measured_traffic = program.collective_totals(text, mesh, branches)
     device = roofline.chip(chip) if chip is not None else roofline.chip_for(mesh.devices.flat[0])
-    link = cost.preset(link) if link is not None else cost.default_link(setting.backend, xla=True)
+    link = roofline.link_for(device, link, setting.backend)
 
-    rows = _memory_rows(setting, compiled, state, batch, found, counts)
+    rows = _memory_rows(setting, compiled, state, batch, found, counts, stages)
     rows += _traffic_rows(setting, measured_traffic)
     flops = pt.flops(setting)
     measured_flops = program.matmul_flops(text, branches)

@@ -1,8 +1,9 @@
 """What ``px.plan`` returns: each candidate's evaluation, and the winner as ``(mesh, strategy)``.
 
 :class:`Plan` unpacks as ``mesh, strategy``; its :meth:`Plan.table` lists every candidate
-with its memory and time, predicted (formulas), compiled (the program XLA built) and
-measured (when the planner ran them), and the verdict.
+with its memory and time, predicted (formulas), compiled (the program XLA built; the ratio
+compiled / predicted peak for every row compiled) and measured (when the planner ran them),
+and the verdict: ``"rejected: predicted only"`` where no compilation checked a prediction.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ class Plan(tuple):
     ranked table with the reasons.
     """
 
-    def __new__(cls, mesh, strategy, evaluations: list[Evaluation], budget: float | None):
+    def __new__(cls, mesh, strategy, evaluations: list[Evaluation], budget: float | None,
+                priced: str = ""):
         self = super().__new__(cls, (mesh, strategy))
-        self.evaluations, self.budget = evaluations, budget
+        self.evaluations, self.budget, self.priced = evaluations, budget, priced
         return self
 
     @property
@@ -66,24 +68,29 @@ class Plan(tuple):
 
     def table(self, limit: int = 12) -> str:
         """The ranked candidates: memory and time predicted and compiled, and the verdict."""
-        return table(self.evaluations, self.budget, limit)
+        return table(self.evaluations, self.budget, limit, self.priced)
 
     def __repr__(self) -> str:
         return f"Plan({self.best.candidate.label})"
 
 
-def table(evaluations: Sequence[Evaluation], budget: float | None, limit: int = 12) -> str:
-    """A text table of evaluations (see :meth:`Plan.table`)."""
+def table(evaluations: Sequence[Evaluation], budget: float | None, limit: int = 12,
+          priced: str = "") -> str:
+    """A text table of evaluations (see :meth:`Plan.table`); ``priced`` names the chip and
+    link the times assume (the header's second line)."""
     mb = lambda v: "-" if v is None else f"{v / 1e6:.2f}"  # noqa: E731
     ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
-    head = ["#", "configuration", "peak MB pred", "compiled", "time ms pred", "compiled",
-            "measured", "verdict"]
+    ratio = lambda e: ("-" if not (e.compiled_peak and e.predicted_peak)  # noqa: E731
+                       else f"{e.compiled_peak / e.predicted_peak:.2f}")
+    head = ["#", "configuration", "peak MB pred", "compiled", "ratio", "time ms pred",
+            "compiled", "measured", "verdict"]
     rows = [[str(i + 1), e.candidate.label, mb(e.predicted_peak), mb(e.compiled_peak),
-             ms(e.predicted_time), ms(e.compiled_time), ms(e.measured_time), e.note]
+             ratio(e), ms(e.predicted_time), ms(e.compiled_time), ms(e.measured_time), e.note]
             for i, e in enumerate(evaluations[:limit])]
     width = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
     shown = "none" if budget is None else f"{budget / 1e6:.2f} MB"
     lines = [f"px.plan: {len(evaluations)} candidates, memory per device {shown}"]
+    lines += [f"  {priced}"] if priced else []
     for r in [head, *rows]:
         lines.append("  ".join(c.ljust(w) if i == 1 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, width))) + "  " + r[-1])

@@ -39,6 +39,9 @@ class Chip:
       hbm_bandwidth: bytes per second between the device and its memory.
       memory_bytes: the device's memory.
       source: where the numbers come from.
+      link: the ``parallax.comm.cost`` link preset its devices talk over (a chip implies
+        its interconnect: NVLink for the NVIDIA parts, ICI for the TPU); ``px.plan`` and
+        ``px.explain`` use it unless given a ``link``.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Chip:
     hbm_bandwidth: float
     memory_bytes: float
     source: str = ""
+    link: str = ""
 
     def flops_per_second(self, dtype: str = "float32", precision: str | None = None) -> float:
         """The peak for matmuls in ``dtype`` (float32 at default precision uses ``tf32``)."""
@@ -58,21 +62,21 @@ class Chip:
 CHIPS: dict[str, Chip] = {
     "h100": Chip("h100", _H100, 3.35e12, 80e9,
                  "NVIDIA H100 SXM datasheet: dense BF16 989 TFLOP/s, TF32 495, FP32 67; "
-                 "HBM3 3.35 TB/s, 80 GB."),
+                 "HBM3 3.35 TB/s, 80 GB.", "nvlink-h100"),
     "h200": Chip("h200", _H100, 4.8e12, 141e9,
                  "NVIDIA H200 datasheet: the H100 SXM's compute (dense BF16 989 TFLOP/s); "
-                 "HBM3e 4.8 TB/s, 141 GB."),
+                 "HBM3e 4.8 TB/s, 141 GB.", "nvlink-h100"),
     "a100": Chip("a100", {"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12,
                           "float32": 19.5e12}, 2.039e12, 80e9,
                  "NVIDIA A100 80GB SXM datasheet: dense BF16 312 TFLOP/s, TF32 156, FP32 "
-                 "19.5; HBM2e 2.0 TB/s."),
+                 "19.5; HBM2e 2.0 TB/s.", "nvlink-a100"),
     "tpu-v5e": Chip("tpu-v5e", {"bfloat16": 197e12, "float32": 197e12 / 3}, 819e9, 16e9,
                     "Google Cloud TPU v5e page: 197 TFLOP/s BF16, HBM 819 GB/s, 16 GB; float32 "
-                    "assumed at a third (multi-pass bf16)."),
+                    "assumed at a third (multi-pass bf16).", "tpu-v5e-ici"),
     "cpu-sim": Chip("cpu-sim", {"float32": 10e9, "bfloat16": 5e9}, 3e9, 2e9,
                     "measured on the development machine: a float32 matmul on 8 simulated CPU "
                     "devices sharing 2 cores ran at ~10 GFLOP/s per device, an elementwise "
-                    "op at ~3 GB/s; only meaningful there."),
+                    "op at ~3 GB/s; only meaningful there.", "cpu-sim-xla"),
 }
 
 
@@ -121,6 +125,31 @@ def chip_for(device) -> Chip:
             return CHIPS[name]
     platform = getattr(device, "platform", "cpu")
     return CHIPS["h100" if platform == "gpu" else "tpu-v5e" if platform == "tpu" else "cpu-sim"]
+
+
+def link_for(device: Chip | str, link: cost.Link | str | None = None,
+             backend: str | None = None) -> cost.Link:
+    """The link a step on ``device`` is priced with: ``link`` when given, else the chip's own
+    (``Chip.link``: ``"h100"`` -> ``"nvlink-h100"``, ``"tpu-v5e"`` -> ``"tpu-v5e-ici"``),
+    else (a ``Chip`` of your own that names none) the backend's
+    (``cost.default_link(backend, xla=True)``).
+
+    Args:
+      device: a :class:`Chip` or preset name.
+      link: an explicit ``parallax.comm.cost.Link`` or preset name, which wins.
+      backend: the platform whose default link a chip without one falls back to.
+
+    Returns:
+      A ``parallax.comm.cost.Link``.
+
+    Example:
+      >>> link_for("h100").name, link_for("tpu-v5e").name, link_for("h100", "ethernet-100g").name
+      ('nvlink-h100', 'tpu-v5e-ici', 'ethernet-100g')
+    """
+    if link is not None:
+        return cost.preset(link)
+    device = chip(device)
+    return cost.preset(device.link) if device.link else cost.default_link(backend, xla=True)
 
 
 def compute_seconds(flops: float, hbm_bytes: float, device: Chip, dtype: str = "float32",

@@ -38,6 +38,7 @@ class PipelineSetting:
     virtual_stages: int
     schedule: Schedule
     remat: str
+    policy: object = None  # the checkpoint policy applied inside every layer (or None)
 
     @property
     def remat_fraction(self) -> float:
@@ -138,8 +139,9 @@ def _pipeline(strategy: Strategy, mesh_shape: dict) -> PipelineSetting | None:
         sched = schedule(sched, stages, micro, settings.virtual_stages,
                          **({} if split is None else {"split_backward": bool(split)}))
     remat = settings.remat
-    return PipelineSetting(settings.axis, stages, micro, sched.virtual_stages, sched,
-                           remat if isinstance(remat, str) else "policy")
+    mode = remat if remat in ("always", "except_last", "never") else "policy"
+    return PipelineSetting(settings.axis, stages, micro, sched.virtual_stages, sched, mode,
+                           settings.policy)
 
 
 def model_config(state) -> GPTConfig | LlamaConfig | None:

@@ -52,7 +52,7 @@ def test_the_plan_is_ready_for_init_and_a_step():
     plan = px.plan(make_mlp(), px.models.mse_loss, MLP_BATCH, devices=4, space=SMALL, top_k=2)
     mesh, strategy = plan
     assert mesh.size == 4 and plan.best.fits and plan.best.compiled_peak is not None
-    assert "chosen" in plan.table().splitlines()[2]
+    assert "chosen" in plan.table().splitlines()[3]
     state = px.init(make_mlp(), mesh, strategy)
 
     @px.train_step(mesh, strategy)

@@ -250,3 +250,27 @@ def test_benchmark_runs_and_memory_falls(capsys):
     for method in ("ring", "all_gather"):
         for n in (2, 4):
             assert ratios[(method, n)] <= 1.1 / n, (method, n, ratios)
+
+
+@pytest.mark.parametrize("method", ["ring", pytest.param("all_gather", marks=pytest.mark.slow)])
+def test_llama_matches_one_device(method):
+    """Llama reads RoPE positions, token ids and its output order through parallax.attention:
+    grouped-query attention and rotary positions under the zigzag split."""
+    from flax import nnx
+
+    config = px.models.LlamaConfig.tiny(max_seq_len=16)
+
+    def make_state():  # SGD with momentum, as the GPT's cases (fixtures.GPT_TX says why)
+        return px.TrainState.create(px.models.Llama(config, rngs=nnx.Rngs(0)), fx.GPT_TX)
+
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, config.vocab_size, (4, 17)).astype(np.int32)}
+               for _ in range(STEPS)]
+    ref = px.testing.train(make_state, px.models.next_token_loss, batches)
+    axes = {"data": 2, "context": 2, "tensor": 2}
+    par = px.testing.train(make_state, px.models.next_token_loss, batches,
+                           mesh=mesh_for(axes), strategy=strategy_for(axes, method))
+    px.testing.assert_equivalent(par, ref, rtol=1e-5)
+    whole = px.testing.relative_difference(jax.tree.leaves(jax.device_get(par.final_state)),
+                                           jax.tree.leaves(jax.device_get(ref.final_state)))
+    assert whole <= 1e-5, f"final state (params and optimizer) differs by {whole:.2e}"

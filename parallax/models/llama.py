@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.activations import constrain
+from parallax.attention import in_sequence_order, natural_order, sequence_positions
 from parallax.models.gpt import check_sequence, check_token_ids
 from parallax.models.gpt_pipeline import head_loss
 from parallax.models.layers import annotated_param, gather_sequence
@@ -58,17 +59,15 @@ TENSOR_PLAN = {
 
 
 def token_positions(seq_len: int) -> jax.Array:
-    """Each token's position in its sequence, ``jnp.arange(seq_len)``: what RoPE rotates by.
-
-    The one place the Llama reads positions: a strategy that splits the sequence over
-    devices (context parallelism) gives the global index of its local tokens by replacing
-    this function's result, not the model's code.
+    """Each token's global position in its sequence, in the order the model holds it: what
+    RoPE rotates by. ``jnp.arange(seq_len)``, except under context parallelism, whose zigzag
+    order :func:`parallax.attention.sequence_positions` gives.
 
     Example:
       >>> token_positions(4).tolist()
       [0, 1, 2, 3]
     """
-    return jnp.arange(seq_len)
+    return sequence_positions(seq_len, "Llama")
 
 
 class LlamaBlock(nnx.Module):
@@ -165,7 +164,9 @@ class Llama(nnx.Module):
         check_token_ids("Llama.embed", tokens, vocab)
         finite_check.require(f"Llama.embed: token ids within [0, {vocab})",
                              lambda: ((tokens >= 0) & (tokens < vocab)).all())
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.dtype)
+        # Under context parallelism the model holds the sequence in the zigzag order.
+        x = jnp.take(self.embed[...], in_sequence_order(tokens, "Llama.embed"),
+                     axis=0).astype(self.config.dtype)
         # As the GPT: all-reduce the vocabulary-parallel lookup, then split the sequence.
         return constrain(gather_sequence(x, WHOLE_SEQUENCE), RESIDUAL)
 
@@ -182,7 +183,7 @@ class Llama(nnx.Module):
 
     def unembed(self, x: jax.Array) -> jax.Array:
         """Final RMSNorm and output projection: ``[B, T, D]`` -> float32 logits ``[B, T, V]``."""
-        x = gather_sequence(self.norm(x), WHOLE_SEQUENCE)
+        x = gather_sequence(natural_order(self.norm(x), "Llama.unembed"), WHOLE_SEQUENCE)
         if self.head is None:
             w, spec = self.embed[...], "btd,vd->btv"
         else:

@@ -111,7 +111,7 @@ def test_hierarchical_compression_buckets_quantized():
 
 def test_cost_and_bench_inputs():
     with pytest.raises(ValueError, match=r"cost.preset: unknown link 'nvlink'; the presets are "
-                       r"nvlink-h100, tpu-v5e-ici"):
+                       r"nvlink-h100, nvlink-a100, tpu-v5e-ici"):
         comm.cost.preset("nvlink")
     with pytest.raises(ValueError, match=r"unknown collective 'gather'"):
         comm.cost.bus_bandwidth_factor("gather", 8)

@@ -34,7 +34,7 @@ def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
     Args:
       path: a directory with ``config.json`` and ``model.safetensors`` (or shards with
         ``model.safetensors.index.json``), as ``transformers``' ``save_pretrained`` writes.
-      mesh: the device mesh (default: the first device alone).
+      mesh: the device mesh (default: this process's first device alone).
       strategy: the layout (default: replicated over ``mesh``).
       dtype: the parameters' storage dtype (default: the checkpoint's, cast to float32).
       **config_overrides: fields of the model's config to set (``dtype`` for compute,
@@ -103,7 +103,7 @@ def _shardings(abstract, mesh, strategy):
     if mesh is None:
         if strategy is not None:
             raise ValueError(f"{API}: strategy= needs mesh= (px.make_mesh(...)).")
-        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        mesh = Mesh(np.array(jax.local_devices()[:1]), ("data",))
     strategy = checked_strategy(strategy, mesh, API)
     tree = layout.state_shardings(abstract, strategy, mesh, API)
     _, state = nnx.split(tree)

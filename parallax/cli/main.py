@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser(
         "launch", help="start N processes of a program (like horovodrun / torchrun)",
-        description=launch_lib.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=launch_lib.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)
     launch_lib.add_arguments(launch)
     launch.set_defaults(run=launch_lib.main)
     return parser

@@ -11,11 +11,11 @@ class LaunchError(Exception):
     """A launch that cannot start: bad arguments, a busy port, an unreachable coordinator."""
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` -> ``(host, port)``, checked."""
+def split_address(address: str, flag: str = "--coordinator") -> tuple[str, int]:
+    """``"HOST:PORT"`` -> ``(host, port)``, checked (the message names ``flag``)."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LaunchError(f"--coordinator {address!r} is not HOST:PORT (e.g. 10.0.0.1:29400).")
+        raise LaunchError(f"{flag} {address!r} is not HOST:PORT (e.g. 10.0.0.1:29400).")
     return host.strip("[]"), int(port)
 
 
@@ -65,5 +65,5 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
                 raise LaunchError(
                     f"cannot reach the coordinator {address} after {timeout_s:g} s "
                     f"({error.strerror or error}); start node 0 with the same --coordinator, "
-                    "or raise --connect-timeout.") from None
+                    "or raise --start-timeout.") from None
             time.sleep(0.2)

@@ -1,21 +1,30 @@
 """``parallax launch``: start N processes of one program, as ``horovodrun`` and ``torchrun`` do.
 
-    parallax launch -np 2 python train.py
+    parallax launch -np 2 python train.py                      # horovodrun's spelling
+    parallax launch --nproc-per-node 2 train.py --lr 1         # torchrun's: .py runs with this Python
     parallax launch -np 2 --devices-per-process 2 parallax demo
-    parallax launch -np 4 --nnodes 2 --node-rank 0 --coordinator 10.0.0.1:1234 python train.py
+    parallax launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
+    parallax launch -np 4 -H node1:2,node2:2 python train.py   # ranks on node2 started with ssh
 
 Each process gets the environment :func:`parallax.distributed.initialize` reads
 (``PARALLAX_COORDINATOR``, ``PARALLAX_NUM_PROCESSES``, ``PARALLAX_PROCESS_ID``, ... see
 :data:`parallax.distributed.environment.LAUNCH_VARIABLES`) and torchrun's variables with
-torchrun's meanings (:data:`~parallax.distributed.torchrun_exports.TORCHRUN_EXPORTS`), for scripts, data loaders and loggers
-written against torchrun. Output lines are prefixed with
+torchrun's meanings (:data:`~parallax.distributed.torchrun_exports.TORCHRUN_EXPORTS`), for
+scripts, data loaders and loggers written against torchrun. Output lines are prefixed with
 the rank. The first process to fail stops the group (:mod:`parallax.distributed.supervisor`)
 and the launcher exits with its code, naming it. With ``--max-restarts K`` the whole group is
 started again, up to K times, with ``PARALLAX_RESTART`` counting the restarts (a program
 resumes from its last checkpoint). With ``--min-np M`` each restart drops the failed slot,
-down to M processes; the commits of ``hvd.elastic`` live in a RAM directory the launcher keeps
-across restarts. Several nodes: the same command on every node, with
-``--nnodes``, ``--node-rank`` and the coordinator's address; node 0 hosts the coordinator.
+down to M processes; on one machine the commits of ``hvd.elastic`` live in a RAM directory
+the launcher keeps across restarts. With ``--host-discovery-script`` the group is sized by
+the hosts the script reports at each start, and started again larger when it reports more
+(:mod:`parallax.distributed.elastic_hosts`).
+
+Two ways to span machines. torchrun's: the same command on every node, with ``--nnodes``,
+``--node-rank`` and node 0's address; node 0 hosts the coordinator. horovodrun's: one
+command on one machine with ``-H``/``--hostfile``; this launcher starts every rank, those on
+other hosts through ssh (:mod:`parallax.distributed.remote`); rank 0's host hosts the
+coordinator. Options and their meanings: :mod:`parallax.distributed.launch_options`.
 
 The coordinator binds to 127.0.0.1 on one node unless ``--coordinator`` says otherwise.
 """
@@ -30,14 +39,20 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from parallax.distributed import hosts as hosts_lib
 from parallax.distributed.coordinator_address import (LaunchError, check_port_free,
                                                        free_port, free_port_pair,
                                                        split_address, wait_for_coordinator)
+from parallax.distributed.hosts import Host, Placement
+from parallax.distributed.launch_options import add_arguments, config_from_args
+from parallax.distributed.remote import SshOptions, ssh_command
 from parallax.distributed.supervisor import GroupResult, ProcessGroup
 from parallax.distributed.torchrun_exports import torchrun_environment
 
 PROG = "parallax launch"
-
+__all__ = ["LaunchConfig", "GroupStart", "LaunchError", "add_arguments", "config_from_args",
+           "group_start", "environment", "run_group", "run", "main", "free_port",
+           "split_address"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +61,30 @@ class LaunchConfig:
 
     Attributes:
       command: the program and its arguments.
-      nproc: processes on this node.
+      nproc: processes on this node; with ``hosts`` or ``discovery``, processes in the job
+        (0 with ``discovery``: as many as the hosts have slots, up to ``max_np``).
       devices_per_process: devices each process uses (None: JAX's default).
-      nnodes, node_rank: nodes in the job and this node's index.
-      coordinator: ``host:port`` of the coordination service (None: a free loopback port).
+      nnodes, node_rank: nodes in the job and this node's index (torchrun's way).
+      coordinator: ``host:port`` of the coordination service (None: a free port on
+        127.0.0.1, or on the first host with ``hosts``).
       max_restarts: how many times the whole group may be started again after a failure.
       grace_s: seconds between SIGTERM and SIGKILL when stopping the group.
       exit_grace_s: at most how long rank 0 keeps the coordination service up at exit for
         ranks still finishing (on other nodes, or that did not exit yet).
-      connect_timeout_s: how long nodes other than 0 wait for the coordinator to answer.
+      connect_timeout_s: how long the job may take to start (``--start-timeout``): nodes
+        other than 0 wait this long for the coordinator, a discovery script for
+        ``min_np`` slots.
       prefix: prefix output lines with the rank.
       min_np: elastic runs: after a failure, restart with one process fewer (the failed
-        slot counts as a lost host), down to this many (None: always the full group).
+        slot counts as a lost host), down to this many (None: always the full group); with
+        ``discovery``, the fewest processes to start with.
+      hosts: horovodrun's ``-H``/``--hostfile``: this launcher starts every rank, filling
+        the hosts' slots in order, through ssh on hosts other than this one.
+      discovery: horovodrun's ``--host-discovery-script``: the hosts, asked at each start.
+      max_np, slots_per_host: the most processes with ``discovery``; the slots of a
+        discovered host printed without them.
+      ssh: ssh's port and identity file.
+      run_id: torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``).
 
     Example:
       >>> config = LaunchConfig(("python", "train.py"), nproc=2, nnodes=2, node_rank=1,
@@ -78,93 +105,62 @@ class LaunchConfig:
     connect_timeout_s: float = 60.0
     prefix: bool = True
     min_np: int | None = None
+    hosts: tuple[Host, ...] | None = None
+    discovery: str | None = None
+    max_np: int | None = None
+    slots_per_host: int | None = None
+    ssh: SshOptions = SshOptions()
+    run_id: str | None = None
+
+    @property
+    def starts_every_rank(self) -> bool:
+        """horovodrun's way: this launcher starts the ranks of every host."""
+        return self.hosts is not None or self.discovery is not None
 
     @property
     def world_size(self) -> int:
-        return self.nproc * self.nnodes
+        return self.nproc if self.starts_every_rank else self.nproc * self.nnodes
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupStart:
-    """One start of the group: the coordinator, and the global ranks run on this node."""
+    """One start of the group: the coordinator, and where the ranks this launcher starts run."""
 
     coordinator: str
     bind: str
-    ranks: tuple[int, ...]
+    placements: tuple[Placement, ...]
     world_size: int
     attempt: int
     memory: str | None = None  # a directory in RAM that outlives restarts (elastic commits)
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(p.rank for p in self.placements)
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``parallax launch``."""
-    parser.add_argument("-np", "--nproc", type=int, required=True,
-                        help="processes to start on this node")
-    parser.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                        help="devices per process (on CPU: K simulated devices each)")
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
-    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                        help="the coordination service, on node 0 (default: a free port on "
-                             "127.0.0.1; required with --nnodes > 1)")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                        help="start the whole group again after a failure, up to K times")
-    parser.add_argument("--min-np", type=int, default=None, metavar="M",
-                        help="elastic: restart with one process fewer after each failure, "
-                             "down to M (one node; default: always -np)")
-    parser.add_argument("--grace", type=float, default=3.0, metavar="S",
-                        help="seconds between SIGTERM and SIGKILL when stopping (default 3)")
-    parser.add_argument("--exit-grace", type=float, default=5.0, metavar="S",
-                        help="at most how long rank 0 keeps the coordinator up for ranks "
-                             "still finishing (default 5)")
-    parser.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
-                        help="how long other nodes wait for the coordinator (default 60)")
-    parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the program to run and its arguments")
+    def placement(self, rank: int) -> Placement:
+        return next(p for p in self.placements if p.rank == rank)
 
 
-def config_from_args(args: argparse.Namespace) -> LaunchConfig:
-    """Validates the parsed options (:class:`LaunchError` with the fix otherwise)."""
-    command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
-    if not command:
-        raise LaunchError("no command given; e.g. `parallax launch -np 2 python train.py`.")
-    if args.nproc < 1:
-        raise LaunchError(f"-np {args.nproc}: the number of processes must be >= 1.")
-    if args.devices_per_process is not None and args.devices_per_process < 1:
-        raise LaunchError(f"--devices-per-process {args.devices_per_process} must be >= 1.")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise LaunchError(f"--node-rank {args.node_rank} must be in 0 .. {args.nnodes - 1} "
-                          f"(--nnodes {args.nnodes}).")
-    if args.nnodes > 1 and args.coordinator is None:
-        raise LaunchError(f"--nnodes {args.nnodes} needs --coordinator HOST:PORT (an address "
-                          "of node 0 that every node can reach).")
-    if args.coordinator is not None:
-        split_address(args.coordinator)
-    if args.max_restarts < 0:
-        raise LaunchError(f"--max-restarts {args.max_restarts} must be >= 0.")
-    if args.min_np is not None and not (1 <= args.min_np <= args.nproc and args.nnodes == 1):
-        raise LaunchError(f"--min-np {args.min_np} must be in 1 .. -np {args.nproc}, on one "
-                          "node (--nnodes 1).")
-    for name in ("grace", "exit_grace", "connect_timeout"):
-        if getattr(args, name) < 0:
-            raise LaunchError(f"--{name.replace('_', '-')} must be >= 0 seconds.")
-    if shutil.which(command[0]) is None:
-        raise LaunchError(f"command not found: {command[0]!r} is not an executable on PATH "
-                          f"(PATH={os.environ.get('PATH', '')}).")
-    return LaunchConfig(command, args.nproc, args.devices_per_process, args.nnodes,
-                        args.node_rank, args.coordinator, args.max_restarts, args.grace,
-                        args.exit_grace, args.connect_timeout, not args.no_prefix,
-                        args.min_np)
+def runs_here(placement: Placement) -> bool:
+    """A rank this machine runs directly (not through ssh)."""
+    return placement.host is None or hosts_lib.is_local(placement.host)
 
 
 def group_start(config: LaunchConfig, attempt: int, nproc: int | None = None,
-         memory: str | None = None) -> GroupStart:
-    """Where and which ranks this node starts on ``attempt`` (0 = the first start).
+                memory: str | None = None, hosts: Sequence[Host] | None = None) -> GroupStart:
+    """Where and which ranks this launcher starts on ``attempt`` (0 = the first start).
 
-    Every start runs the full world; a policy that shrinks the group after failures
-    (``--min-np``, elastic training) replaces this function's choice of ``world_size``.
+    ``nproc`` and ``hosts`` replace the configured count and hosts for this start (an
+    elastic policy: ``--min-np`` after a failure, a discovery script's hosts).
     """
+    if config.starts_every_rank:
+        placements = hosts_lib.place(hosts or config.hosts, nproc or config.nproc)
+        if config.coordinator is None:
+            coordinator = f"{placements[0].host}:{free_port_pair()}"
+        else:
+            coordinator = config.coordinator
+        return GroupStart(coordinator, coordinator, placements, len(placements), attempt,
+                          memory)
     if config.coordinator is None:
         coordinator = f"127.0.0.1:{free_port_pair()}"  # and MASTER_PORT one below
         bind = coordinator
@@ -172,31 +168,39 @@ def group_start(config: LaunchConfig, attempt: int, nproc: int | None = None,
         coordinator = bind = config.coordinator
     if nproc is None or nproc == config.nproc:
         first = config.node_rank * config.nproc
-        return GroupStart(coordinator, bind, tuple(range(first, first + config.nproc)),
-                         config.world_size, attempt, memory)
-    return GroupStart(coordinator, bind, tuple(range(nproc)), nproc, attempt, memory)  # --min-np
+        placements = tuple(Placement(r, None, r - first, config.nproc, config.node_rank,
+                                     config.nnodes)
+                           for r in range(first, first + config.nproc))
+        return GroupStart(coordinator, bind, placements, config.world_size, attempt, memory)
+    placements = tuple(Placement(r, None, r, nproc, 0, 1) for r in range(nproc))  # --min-np
+    return GroupStart(coordinator, bind, placements, nproc, attempt, memory)
 
 
 def environment(config: LaunchConfig, group: GroupStart, rank: int,
                 base: dict | None = None) -> dict:
     """The environment of one process (what ``px.distributed.initialize()`` reads)."""
     env = dict(os.environ if base is None else base)
+    where = group.placement(rank)
     env.update({
         "PARALLAX_COORDINATOR": group.coordinator,
         "PARALLAX_COORDINATOR_BIND": group.bind,
         "PARALLAX_NUM_PROCESSES": str(group.world_size),
         "PARALLAX_PROCESS_ID": str(rank),
-        "PARALLAX_LOCAL_RANK": str(rank - group.ranks[0]),
-        "PARALLAX_LOCAL_SIZE": str(len(group.ranks)),
-        "PARALLAX_NODE_RANK": str(config.node_rank),
-        "PARALLAX_NUM_NODES": str(config.nnodes),
+        "PARALLAX_LOCAL_RANK": str(where.local_rank),
+        "PARALLAX_LOCAL_SIZE": str(where.local_size),
+        "PARALLAX_NODE_RANK": str(where.node_rank),
+        "PARALLAX_NUM_NODES": str(where.nnodes),
         "PARALLAX_RESTART": str(group.attempt),
         "PARALLAX_EXIT_GRACE": str(config.exit_grace_s),
         "PYTHONUNBUFFERED": "1",  # a failing rank's last lines must not die in a buffer
     })
-    env.update(torchrun_environment(group.coordinator, rank, group.ranks, group.world_size,
-                                    config.node_rank, config.nnodes, group.attempt,
-                                    config.max_restarts))
+    first = rank - where.local_rank
+    env.update(torchrun_environment(group.coordinator, rank,
+                                    tuple(range(first, first + where.local_size)),
+                                    group.world_size, where.node_rank, where.nnodes,
+                                    group.attempt, config.max_restarts))
+    if config.run_id is not None:
+        env["TORCHELASTIC_RUN_ID"] = config.run_id
     env.pop("PARALLAX_EXIT_GATE_FD", None)
     if group.memory is not None:
         env["PARALLAX_ELASTIC_MEMORY"] = group.memory
@@ -205,19 +209,25 @@ def environment(config: LaunchConfig, group: GroupStart, rank: int,
     return env
 
 
-def run_group(config: LaunchConfig, group: GroupStart) -> GroupResult:
-    """Starts one group and supervises it to its end."""
-    if config.node_rank == 0:
+def run_group(config: LaunchConfig, group: GroupStart, watch=None) -> GroupResult:
+    """Starts one group and supervises it to its end (``watch``: see ``ProcessGroup.run``)."""
+    rank0_here = any(p.rank == 0 and runs_here(p) for p in group.placements)
+    if rank0_here:
         if config.coordinator is not None:
             check_port_free(group.bind)
-    else:
+    elif not config.starts_every_rank:
         wait_for_coordinator(group.coordinator, config.connect_timeout_s)
-    envs = [environment(config, group, r) for r in group.ranks]
-    gate = 0 if config.node_rank == 0 and config.nnodes == 1 else None
+    envs = [environment(config, group, p.rank) for p in group.placements]
+    commands = [list(config.command) if runs_here(p) else
+                ssh_command(p.host, config.command, env, os.getcwd(), port=config.ssh.port,
+                            identity_file=config.ssh.identity_file)
+                for p, env in zip(group.placements, envs)]
+    alone = config.starts_every_rank or config.nnodes == 1  # every rank is started here
+    gate = 0 if rank0_here and alone else None
     procs = ProcessGroup(config.command, envs, grace_s=config.grace_s, prefix=config.prefix,
-                         gate_rank=gate)
+                         gate_rank=gate, commands=commands)
     procs.start()
-    return procs.run()
+    return procs.run(watch)
 
 
 def report(result: GroupResult, log) -> int:
@@ -240,35 +250,49 @@ def report(result: GroupResult, log) -> int:
 def run(config: LaunchConfig, log=None) -> int:
     """Launches the group, restarting it up to ``config.max_restarts`` times; the exit code."""
     log = log or (lambda text: print(f"{PROG}: {text}", file=sys.stderr, flush=True))
-    code, nproc = 0, config.nproc
     memory = elastic_memory(config)
     try:
-        for attempt in range(config.max_restarts + 1):
-            group = group_start(config, attempt, nproc, memory)
-            result = run_group(config, group)
-            if result.ok:
-                return 0
-            code = report(result, log)
-            if result.interrupted:
-                return code
-            if attempt < config.max_restarts:
-                if config.min_np is not None and nproc > config.min_np:
-                    nproc -= 1
-                    log(f"rank {result.failure.rank}'s slot is dropped (a failed slot counts as "
-                        f"a lost host); {nproc} remain (--min-np {config.min_np})")
-                log(f"restarting the group ({attempt + 1} of {config.max_restarts} restarts) "
-                    f"with {nproc} process{'es' if nproc > 1 else ''}")
-        return code
+        if config.discovery is not None:
+            from parallax.distributed import elastic_hosts
+
+            return elastic_hosts.run(config, log, memory)
+        return _run_fixed(config, log, memory)
     finally:
         if memory is not None:
             shutil.rmtree(memory, ignore_errors=True)
 
 
+def _run_fixed(config: LaunchConfig, log, memory: str | None) -> int:
+    code, nproc, hosts = 0, config.nproc, config.hosts
+    for attempt in range(config.max_restarts + 1):
+        group = group_start(config, attempt, nproc, memory, hosts)
+        result = run_group(config, group)
+        if result.ok:
+            return 0
+        code = report(result, log)
+        if result.interrupted:
+            return code
+        if attempt < config.max_restarts:
+            if config.min_np is not None and nproc > config.min_np:
+                nproc -= 1
+                if hosts is not None:
+                    hosts = hosts_lib.without_slot(hosts, group.placement(
+                        result.failure.rank).host)
+                log(f"rank {result.failure.rank}'s slot is dropped (a failed slot counts as "
+                    f"a lost host); {nproc} remain (--min-np {config.min_np})")
+            log(f"restarting the group ({attempt + 1} of {config.max_restarts} restarts) "
+                f"with {nproc} process{'es' if nproc > 1 else ''}")
+    return code
+
+
 def elastic_memory(config: LaunchConfig) -> str | None:
-    """A directory in the node's RAM (tmpfs) for elastic commits, kept across restarts and
-    removed at the end (``parallax.checkpoint.elastic``); None without restarts or on
-    several nodes."""
-    if config.max_restarts == 0 or config.nnodes > 1:
+    """A directory in this machine's RAM (tmpfs) for elastic commits, kept across restarts
+    and removed at the end (``parallax.checkpoint.elastic``); None without restarts, or when
+    a rank may run on another machine (several nodes, hosts reached by ssh, discovered
+    hosts): those runs keep commits in a ``directory=`` every process can reach."""
+    if config.max_restarts == 0 or config.nnodes > 1 or config.discovery is not None:
+        return None
+    if config.hosts is not None and not all(hosts_lib.is_local(h.name) for h in config.hosts):
         return None
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     return tempfile.mkdtemp(prefix="parallax-elastic-", dir=shm)
@@ -277,7 +301,7 @@ def elastic_memory(config: LaunchConfig) -> str | None:
 def main(args: argparse.Namespace | Sequence[str]) -> int:
     """``parallax launch``'s entry point: parsed options (or argv) -> exit code."""
     if not isinstance(args, argparse.Namespace):
-        parser = argparse.ArgumentParser(prog=PROG)
+        parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False)
         add_arguments(parser)
         args = parser.parse_args(list(args))
     try:

@@ -91,10 +91,11 @@ class GroupResult:
     failure: RankExit | None
     interrupted: bool
     pids: tuple[int, ...]
+    stopped_for: str | None = None  # why the launcher stopped a healthy group (to resize it)
 
     @property
     def ok(self) -> bool:
-        return self.failure is None and not self.interrupted
+        return self.failure is None and not self.interrupted and self.stopped_for is None
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -115,11 +116,15 @@ class ProcessGroup:
       gate_rank: the rank that gets the exit-gate pipe (rank 0 on the coordinator's node);
         the pipe closes when every other process of this group has exited.
       log: where the launcher's own messages go.
+      commands: one command per process, replacing ``command`` (a rank on another host runs
+        through ssh).
     """
 
     def __init__(self, command: Sequence[str], envs: Sequence[dict], *, grace_s: float = 3.0,
-                 prefix: bool = True, gate_rank: int | None = None, log=None):
+                 prefix: bool = True, gate_rank: int | None = None, log=None,
+                 commands: Sequence[Sequence[str]] | None = None):
         self.command, self.envs, self.grace_s = list(command), list(envs), grace_s
+        self.commands = [list(c) for c in commands] if commands else [self.command] * len(envs)
         self.prefix, self.gate_rank = prefix, gate_rank
         self.log = log or (lambda text: print(f"parallax launch: {text}", file=sys.stderr,
                                               flush=True))
@@ -134,7 +139,7 @@ class ProcessGroup:
     def start(self) -> None:
         self.start_time = time.monotonic()
         use_pdeathsig = sys.platform.startswith("linux")
-        for env in self.envs:
+        for env, command in zip(self.envs, self.commands):
             rank = int(env["PARALLAX_PROCESS_ID"])
             env, fds = dict(env), ()
             if rank == self.gate_rank:
@@ -142,7 +147,7 @@ class ProcessGroup:
                 env["PARALLAX_EXIT_GATE_FD"] = str(reader)
                 fds = (reader,)
             proc = subprocess.Popen(
-                self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=fds,
                 preexec_fn=_die_with_parent if use_pdeathsig else None)
             if fds:
@@ -184,14 +189,29 @@ class ProcessGroup:
             os.close(self.gate_writer)  # rank 0 may now take the coordination service down
             self.gate_writer = None
 
-    def run(self) -> GroupResult:
-        """Supervises until every process exited, one failed, or Ctrl-C; then stops the rest."""
+    def run(self, watch=None, watch_every_s: float = 1.0) -> GroupResult:
+        """Supervises until every process exited, one failed, or Ctrl-C; then stops the rest.
+
+        ``watch``, if given, is called every ``watch_every_s`` seconds while the group runs;
+        a reason it returns (a string) stops the healthy group (SIGTERM, then SIGKILL), as
+        an elastic launcher does to start it again with more processes.
+        """
         seen: dict[int, RankExit] = {}
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        next_watch = time.monotonic() + watch_every_s
         try:
             while len(seen) < len(self.procs):
                 self._pump(POLL_S)
                 self._poll_exits(seen)
+                if watch is not None and time.monotonic() >= next_watch and not any(
+                        e.failed for e in seen.values()) and self.interrupt is None:
+                    reason = watch()
+                    next_watch = time.monotonic() + watch_every_s
+                    if reason:
+                        self.log(reason)
+                        self._stop(seen)
+                        return GroupResult(tuple(seen.values()), None, False, self.pids(),
+                                           reason)
                 if self.interrupt is not None:
                     self._forward(self.interrupt, seen)
                     self._stop(seen)

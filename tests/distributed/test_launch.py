@@ -70,9 +70,11 @@ def test_max_restarts_starts_the_whole_group_again(capfd):
     (["-np", "0", "python"], r"-np 0: the number of processes must be >= 1\."),
     (["-np", "2", "no-such-program-xyz"], r"command not found: 'no-such-program-xyz' is not an "
                                           r"executable on PATH"),
-    (["-np", "2"], r"no command given; e\.g\. `parallax launch -np 2 python train\.py`\."),
-    (["-np", "1", "--nnodes", "2", "python"], r"--nnodes 2 needs --coordinator HOST:PORT"),
-    (["-np", "1", "--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1", "python"],
+    (["-np", "2"], r"no command given; e\.g\. `parallax launch -np 2 python train\.py` or "
+                   r"`parallax launch --nproc-per-node 2 train\.py`\."),
+    (["-np", "2", "--nnodes", "2", "python"], r"--nnodes 2 needs --coordinator HOST:PORT \(or "
+                                              r"--master-addr HOST --master-port PORT\)"),
+    (["-np", "2", "--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1", "python"],
      r"--node-rank 2 must be in 0 \.\. 1 \(--nnodes 2\)\."),
     (["-np", "1", "--coordinator", "nohost", "python"], r"--coordinator 'nohost' is not "
                                                         r"HOST:PORT"),
@@ -98,7 +100,7 @@ def test_port_in_use(capfd):
 def test_unreachable_coordinator_is_an_error_not_a_hang(capfd):
     port = launch.free_port()
     start = time.monotonic()
-    code, _, err, _ = launch_here(capfd, "-np", "1", "--nnodes", "2", "--node-rank", "1",
+    code, _, err, _ = launch_here(capfd, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1",
                                   "--coordinator", f"127.0.0.1:{port}", "--connect-timeout", "1",
                                   sys.executable, "-c", "pass")
     assert code == 2 and time.monotonic() - start < 5

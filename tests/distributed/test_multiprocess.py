@@ -27,8 +27,8 @@ def test_two_nodes_on_localhost_train_five_strategies_like_one_device():
     coordinator = f"127.0.0.1:{launch.free_port()}"
     common = ["--nnodes", "2", "--coordinator", coordinator, "--devices-per-process", "2"]
     command = [sys.executable, program("strategies.py"), "--horovod"]
-    node1 = launcher(["-np", "1", "--node-rank", "1", *common, *command])
-    node0 = run_launcher(["-np", "1", "--node-rank", "0", *common, *command])
+    node1 = launcher(["--nproc-per-node", "1", "--node-rank", "1", *common, *command])
+    node0 = run_launcher(["-np", "2", "--node-rank", "0", *common, *command])  # -np: the total
     out1, err1 = node1.communicate(timeout=300)
     assert node0.returncode == 0 and node1.returncode == 0, (
         node0.stdout[-3000:] + node0.stderr[-3000:] + out1[-3000:] + err1[-3000:])

@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "processes per node before)")
     _both(count, "--nproc-per-node", dest="nproc_per_node", default=None, metavar="N",
           help="processes on each node (torchrun's; an integer or 'cpu')")
+    count.add_argument("--nproc", dest="old_nproc", type=int, default=None,
+                       help=argparse.SUPPRESS)  # gone: a pinned error says what replaced it
     count.add_argument("--devices-per-process", type=int, default=None, metavar="K",
                        help="devices per process (on CPU: K simulated devices each)")
     nodes = parser.add_argument_group("nodes (torchrun: the same command on every node)")
@@ -271,6 +273,10 @@ def config_from_args(args: argparse.Namespace):
     (:class:`LaunchError` naming the flags, the rule and the fix otherwise)."""
     from parallax.distributed.launch import LaunchConfig
 
+    if getattr(args, "old_nproc", None) is not None:
+        raise LaunchError(f"--nproc {args.old_nproc}: --nproc is gone (it counted the "
+                          "processes of one node); use --nproc-per-node N for N per node "
+                          "(torchrun's) or -np N for N in all (horovodrun's).")
     command = _program(args)
     if args.devices_per_process is not None and args.devices_per_process < 1:
         raise LaunchError(f"--devices-per-process {args.devices_per_process} must be >= 1.")

@@ -106,6 +106,9 @@ def test_hostfile(tmp_path):
     (["--nproc-per-node", "0"], "--nproc-per-node 0 must be >= 1."),
     (["-m", "--no-python", "json.tool"], "-m/--module and --no-python exclude each other "
                                          "(torchrun's rule)"),
+    (["--nproc", "2"], "--nproc 2: --nproc is gone (it counted the processes of one node); use "
+                       "--nproc-per-node N for N per node (torchrun's) or -np N for N in all "
+                       "(horovodrun's)."),
     (["nosuch_script.py"], "script not found: 'nosuch_script.py' (in "),
     (["-H", "a:2", "--nnodes", "2"], "--nnodes with -H: --nnodes is torchrun's (the same "
                                      "command on every node), while with -H this launcher "

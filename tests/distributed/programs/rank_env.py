@@ -17,7 +17,7 @@ NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
          "PARALLAX_COORDINATOR", "PARALLAX_NODE_RANK", "PARALLAX_NUM_NODES", "PARALLAX_RESTART",
          "PARALLAX_TEST_MARK")
 seen = {name: os.environ.get(name) for name in NAMES}
-seen.update(pid=os.getpid(), cwd=os.getcwd(), argv=sys.argv[1:])
+seen.update(pid=os.getpid(), cwd=os.getcwd(), argv=sys.argv[1:], python=sys.executable)
 print("env " + json.dumps(seen, sort_keys=True), flush=True)
 if "--grow" in sys.argv:
     if os.environ["WORLD_SIZE"] == "2":

@@ -61,7 +61,8 @@ def wait_for_slots(config, log) -> tuple[hosts_lib.Host, ...]:
         time.sleep(DISCOVERY_INTERVAL_S)
 
 
-def _count(config, hosts, first: bool) -> int:
+def process_count(config, hosts, first: bool) -> int:
+    """How many processes a start runs on ``hosts``."""
     count = hosts_lib.total_slots(hosts)
     if config.max_np is not None:
         count = min(count, config.max_np)
@@ -70,7 +71,7 @@ def _count(config, hosts, first: bool) -> int:
     return count
 
 
-def _growth_watch(config, running: int):
+def growth_watch(config, running: int):
     """A ``ProcessGroup.run`` watch: a reason to restart when more slots are reported."""
 
     def watch() -> str | None:
@@ -78,7 +79,7 @@ def _growth_watch(config, running: int):
             hosts = hosts_lib.discover(config.discovery, config.slots_per_host)
         except LaunchError:
             return None  # a failing script does not stop a running job
-        count = _count(config, hosts, first=False)
+        count = process_count(config, hosts, first=False)
         if count <= running:
             return None
         return (f"the discovery script reports {hosts_lib.total_slots(hosts)} slots "
@@ -86,28 +87,3 @@ def _growth_watch(config, running: int):
                 f"{running} to start it again with {count}")
 
     return watch
-
-
-def run(config, log, memory) -> int:
-    """The elastic launch loop; the launcher's exit code."""
-    from parallax.distributed.launch import group_start, report, run_group
-
-    failures, attempt = 0, 0
-    while True:
-        hosts = wait_for_slots(config, log)
-        count = _count(config, hosts, first=attempt == 0)
-        group = group_start(config, attempt, count, memory, hosts)
-        log(f"starting {count} process{'es' if count > 1 else ''} on "
-            f"{', '.join(dict.fromkeys(p.host for p in group.placements))}")
-        result = run_group(config, group, _growth_watch(config, count))
-        if result.ok:
-            return 0
-        attempt += 1
-        if result.stopped_for is not None:
-            continue
-        code = report(result, log)
-        if result.interrupted or failures >= config.max_restarts:
-            return code
-        failures += 1
-        log(f"restarting the group ({failures} of {config.max_restarts} restarts) on the "
-            "hosts the discovery script reports")

@@ -1,7 +1,7 @@
 """``parallax launch``: start N processes of one program, as ``horovodrun`` and ``torchrun`` do.
 
     parallax launch -np 2 python train.py                      # horovodrun's spelling
-    parallax launch --nproc-per-node 2 train.py --lr 1         # torchrun's: .py runs with this Python
+    parallax launch --nproc-per-node 2 train.py --lr 1         # torchrun's: .py runs here
     parallax launch -np 2 --devices-per-process 2 parallax demo
     parallax launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
     parallax launch -np 4 -H node1:2,node2:2 python train.py   # ranks on node2 started with ssh
@@ -39,13 +39,15 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from parallax.distributed import elastic_hosts
 from parallax.distributed import hosts as hosts_lib
 from parallax.distributed.coordinator_address import (LaunchError, check_port_free,
                                                        free_port, free_port_pair,
                                                        split_address, wait_for_coordinator)
 from parallax.distributed.hosts import Host, Placement
+from parallax.distributed.launch_config import LaunchConfig
 from parallax.distributed.launch_options import add_arguments, config_from_args
-from parallax.distributed.remote import SshOptions, ssh_command
+from parallax.distributed.remote import ssh_command
 from parallax.distributed.supervisor import GroupResult, ProcessGroup
 from parallax.distributed.torchrun_exports import torchrun_environment
 
@@ -53,73 +55,6 @@ PROG = "parallax launch"
 __all__ = ["LaunchConfig", "GroupStart", "LaunchError", "add_arguments", "config_from_args",
            "group_start", "environment", "run_group", "run", "main", "free_port",
            "split_address"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-    """What to launch, validated (see :func:`config_from_args`).
-
-    Attributes:
-      command: the program and its arguments.
-      nproc: processes on this node; with ``hosts`` or ``discovery``, processes in the job
-        (0 with ``discovery``: as many as the hosts have slots, up to ``max_np``).
-      devices_per_process: devices each process uses (None: JAX's default).
-      nnodes, node_rank: nodes in the job and this node's index (torchrun's way).
-      coordinator: ``host:port`` of the coordination service (None: a free port on
-        127.0.0.1, or on the first host with ``hosts``).
-      max_restarts: how many times the whole group may be started again after a failure.
-      grace_s: seconds between SIGTERM and SIGKILL when stopping the group.
-      exit_grace_s: at most how long rank 0 keeps the coordination service up at exit for
-        ranks still finishing (on other nodes, or that did not exit yet).
-      connect_timeout_s: how long the job may take to start (``--start-timeout``): nodes
-        other than 0 wait this long for the coordinator, a discovery script for
-        ``min_np`` slots.
-      prefix: prefix output lines with the rank.
-      min_np: elastic runs: after a failure, restart with one process fewer (the failed
-        slot counts as a lost host), down to this many (None: always the full group); with
-        ``discovery``, the fewest processes to start with.
-      hosts: horovodrun's ``-H``/``--hostfile``: this launcher starts every rank, filling
-        the hosts' slots in order, through ssh on hosts other than this one.
-      discovery: horovodrun's ``--host-discovery-script``: the hosts, asked at each start.
-      max_np, slots_per_host: the most processes with ``discovery``; the slots of a
-        discovered host printed without them.
-      ssh: ssh's port and identity file.
-      run_id: torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``).
-
-    Example:
-      >>> config = LaunchConfig(("python", "train.py"), nproc=2, nnodes=2, node_rank=1,
-      ...                       coordinator="10.0.0.1:29400")
-      >>> config.world_size, group_start(config, attempt=0).ranks
-      (4, (2, 3))
-    """
-
-    command: tuple[str, ...]
-    nproc: int
-    devices_per_process: int | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    coordinator: str | None = None
-    max_restarts: int = 0
-    grace_s: float = 3.0
-    exit_grace_s: float = 5.0
-    connect_timeout_s: float = 60.0
-    prefix: bool = True
-    min_np: int | None = None
-    hosts: tuple[Host, ...] | None = None
-    discovery: str | None = None
-    max_np: int | None = None
-    slots_per_host: int | None = None
-    ssh: SshOptions = SshOptions()
-    run_id: str | None = None
-
-    @property
-    def starts_every_rank(self) -> bool:
-        """horovodrun's way: this launcher starts the ranks of every host."""
-        return self.hosts is not None or self.discovery is not None
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc if self.starts_every_rank else self.nproc * self.nnodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,9 +188,7 @@ def run(config: LaunchConfig, log=None) -> int:
     memory = elastic_memory(config)
     try:
         if config.discovery is not None:
-            from parallax.distributed import elastic_hosts
-
-            return elastic_hosts.run(config, log, memory)
+            return _run_discovered(config, log, memory)
         return _run_fixed(config, log, memory)
     finally:
         if memory is not None:
@@ -283,6 +216,29 @@ def _run_fixed(config: LaunchConfig, log, memory: str | None) -> int:
             log(f"restarting the group ({attempt + 1} of {config.max_restarts} restarts) "
                 f"with {nproc} process{'es' if nproc > 1 else ''}")
     return code
+
+
+def _run_discovered(config: LaunchConfig, log, memory: str | None) -> int:
+    """The elastic loop (:mod:`parallax.distributed.elastic_hosts` says what it does)."""
+    failures, attempt = 0, 0
+    while True:
+        hosts = elastic_hosts.wait_for_slots(config, log)
+        count = elastic_hosts.process_count(config, hosts, first=attempt == 0)
+        group = group_start(config, attempt, count, memory, hosts)
+        log(f"starting {count} process{'es' if count > 1 else ''} on "
+            f"{', '.join(dict.fromkeys(p.host for p in group.placements))}")
+        result = run_group(config, group, elastic_hosts.growth_watch(config, count))
+        if result.ok:
+            return 0
+        attempt += 1
+        if result.stopped_for is not None:
+            continue
+        code = report(result, log)
+        if result.interrupted or failures >= config.max_restarts:
+            return code
+        failures += 1
+        log(f"restarting the group ({failures} of {config.max_restarts} restarts) on the "
+            "hosts the discovery script reports")
 
 
 def elastic_memory(config: LaunchConfig) -> str | None:

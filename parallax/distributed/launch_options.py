@@ -32,6 +32,7 @@ import sys
 
 from parallax.distributed import hosts as hosts_lib
 from parallax.distributed.coordinator_address import LaunchError, split_address
+from parallax.distributed.launch_config import LaunchConfig
 from parallax.distributed.remote import SshOptions
 
 TORCHRUN_MASTER_PORT = 29500  # torchrun's default --master-port
@@ -234,8 +235,6 @@ def _host_mode_conflicts(args: argparse.Namespace) -> None:
 
 
 def _host_config(args: argparse.Namespace, command: tuple[str, ...], common: dict):
-    from parallax.distributed.launch import LaunchConfig
-
     _host_mode_conflicts(args)
     if args.host_discovery_script:
         script = args.host_discovery_script
@@ -271,8 +270,6 @@ def _host_config(args: argparse.Namespace, command: tuple[str, ...], common: dic
 def config_from_args(args: argparse.Namespace):
     """Validates the parsed options into a :class:`~parallax.distributed.launch.LaunchConfig`
     (:class:`LaunchError` naming the flags, the rule and the fix otherwise)."""
-    from parallax.distributed.launch import LaunchConfig
-
     if getattr(args, "old_nproc", None) is not None:
         raise LaunchError(f"--nproc {args.old_nproc}: --nproc is gone (it counted the "
                           "processes of one node); use --nproc-per-node N for N per node "

@@ -139,3 +139,14 @@ def test_too_few_discovered_slots_end_after_the_start_timeout(capfd, tmp_path):
     assert (f"parallax launch: error: --host-discovery-script {script} reported localhost:1 (1 "
             "slots) for 0.5 s, fewer than --min-np 2. Lower --min-np, or raise "
             "--start-timeout.") in err, err
+
+
+def test_min_np_drops_the_failed_slot_from_its_host(capfd, ssh_standin):
+    code, out, err = launch_here(capfd, "-H", "localhost:1,127.0.0.1:1", "--max-restarts", "1",
+                                 "--min-np", "1", sys.executable, program("faulty.py"),
+                                 "restart", "1")
+    assert code == 0, err
+    assert ("parallax launch: rank 1's slot is dropped (a failed slot counts as a lost host); 1 "
+            "remain (--min-np 1)") in err
+    assert ssh_standin.read_text().split() == ["127.0.0.1"]  # the restart ran on localhost only
+    assert len(re.findall(r"restart 1$", out, re.M)) == 1

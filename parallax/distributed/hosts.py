@@ -167,7 +167,8 @@ def total_slots(hosts: Sequence[Host]) -> int:
 def is_local(name: str) -> bool:
     """Whether ranks on host ``name`` run here directly rather than through ssh.
 
-    By name: ``localhost`` and this machine's own host name are local; any other name,
-    even another address of this machine (``127.0.0.1``), is reached with ssh.
+    By name, with no DNS lookup: ``localhost`` and this machine's own host name are local;
+    any other name, even another address of this machine (``127.0.0.1``), is reached with
+    ssh. (horovodrun resolves the name and compares addresses instead.)
     """
-    return name in ("localhost", socket.gethostname(), socket.getfqdn())
+    return name in ("localhost", socket.gethostname())

@@ -101,7 +101,8 @@ def test_unreachable_coordinator_is_an_error_not_a_hang(capfd):
     port = launch.free_port()
     start = time.monotonic()
     code, _, err, _ = launch_here(capfd, "--nproc-per-node", "1", "--nnodes", "2",
-                                  "--node-rank", "1", "--coordinator", f"127.0.0.1:{port}", "--connect-timeout", "1",
+                                  "--node-rank", "1", "--coordinator", f"127.0.0.1:{port}",
+                                  "--connect-timeout", "1",
                                   sys.executable, "-c", "pass")
     assert code == 2 and time.monotonic() - start < 5
     assert re.search(rf"error: cannot reach the coordinator 127\.0\.0\.1:{port} after 1 s "

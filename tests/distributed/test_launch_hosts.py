@@ -150,3 +150,16 @@ def test_min_np_drops_the_failed_slot_from_its_host(capfd, ssh_standin):
             "remain (--min-np 1)") in err
     assert ssh_standin.read_text().split() == ["127.0.0.1"]  # the restart ran on localhost only
     assert len(re.findall(r"restart 1$", out, re.M)) == 1
+
+
+def test_a_failure_under_discovery_restarts_on_the_hosts_reported_then(capfd, tmp_path):
+    script = executable(tmp_path / "discover.sh", "#!/bin/sh\necho localhost:2\n")
+    code, out, err = launch_here(capfd, "--host-discovery-script", script, "--min-np", "1",
+                                 "--max-restarts", "1", sys.executable, program("faulty.py"),
+                                 "restart", "1")
+    assert code == 0, err
+    assert ("parallax launch: restarting the group (1 of 1 restarts) on the hosts the "
+            "discovery script reports") in err
+    assert err.count("parallax launch: starting 2 processes on localhost") == 2
+    assert len(re.findall(r"restart 1$", out, re.M)) == 2
+    assert_none_left(out, expected=8)

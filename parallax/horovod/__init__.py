@@ -37,6 +37,10 @@ from parallax.horovod.collectives import allgather as allgather
 from parallax.horovod.collectives import allreduce as allreduce
 from parallax.horovod.collectives import alltoall as alltoall
 from parallax.horovod.collectives import broadcast as broadcast
+from parallax.horovod.grouped import grouped_allgather as grouped_allgather
+from parallax.horovod.grouped import grouped_allreduce as grouped_allreduce
+from parallax.horovod.grouped import grouped_reducescatter as grouped_reducescatter
+from parallax.horovod.grouped import reducescatter as reducescatter
 from parallax.horovod.ops import Adasum as Adasum
 from parallax.horovod.ops import Average as Average
 from parallax.horovod.ops import Compression as Compression
@@ -48,6 +52,10 @@ from parallax.horovod.ops import Sum as Sum
 from parallax.horovod.optimizer import DistributedOptimizer as DistributedOptimizer
 from parallax.horovod.optimizer import DistributedOptimizerState as DistributedOptimizerState
 from parallax.horovod.per_rank import PerRank as PerRank
+from parallax.horovod.process_sets import ProcessSet as ProcessSet
+from parallax.horovod.process_sets import add_process_set as add_process_set
+from parallax.horovod.process_sets import global_process_set as global_process_set
+from parallax.horovod.process_sets import remove_process_set as remove_process_set
 from parallax.horovod.program import jit as jit
 from parallax.horovod.program import mesh as mesh
 from parallax.horovod.ranks import local_rank as local_rank
@@ -57,6 +65,8 @@ from parallax.horovod.ranks import size as size
 from parallax.horovod.runtime import init as init
 from parallax.horovod.runtime import is_initialized as is_initialized
 from parallax.horovod.runtime import shutdown as shutdown
+from parallax.horovod.timeline import start_timeline as start_timeline
+from parallax.horovod.timeline import stop_timeline as stop_timeline
 
 __all__ = [
     "AXIS",
@@ -68,10 +78,12 @@ __all__ = [
     "Max",
     "Min",
     "PerRank",
+    "ProcessSet",
     "Product",
     "ReduceOp",
     "Sum",
     "allgather",
+    "add_process_set",
     "allreduce",
     "alltoall",
     "broadcast",
@@ -79,6 +91,10 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "elastic",
+    "global_process_set",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
     "init",
     "is_initialized",
     "jit",
@@ -86,6 +102,10 @@ __all__ = [
     "local_size",
     "mesh",
     "rank",
+    "reducescatter",
+    "remove_process_set",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
 ]

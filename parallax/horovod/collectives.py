@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from parallax import comm
 from parallax.comm import checks
 from parallax.distributed import local_arrays
-from parallax.horovod import eager
+from parallax.horovod import eager, join
 from parallax.horovod import process_sets as sets
 from parallax.horovod.adasum import adasum_all_reduce
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
@@ -90,7 +90,9 @@ def eager_reduce(api: str, x, op: ReduceOp, wire, counts, prescale: float = 1.0,
                         "op=hvd.Sum.")
     wide = wire.accumulate_dtype(x.dtype)
     sent = np.asarray(x * prescale if prescale != 1.0 else x).astype(wire.wire_dtype(x.dtype))
-    if jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
+    exact = jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype
+    join.announce(api, op, sent, wide, counts, followable=exact)  # for joined processes
+    if exact:
         out = np.asarray(eager.run(eager.program("reduce", op, wide, counts), sent,
                                    out_like=sent))
     else:  # 64-bit without jax_enable_x64: gather exactly, reduce on the host

@@ -3,10 +3,11 @@
 Horovod writes a Chrome-trace JSON of every collective's phases (negotiation, queueing,
 the MPI/NCCL call). Here the timeline is ``jax.profiler``'s trace of the process (a
 TensorBoard/Perfetto trace under ``path``: ``plugins/profile/<run>/*.trace.json.gz`` and
-``*.xplane.pb``): every Horovod op is named ``horovod/<op>`` in it, as a host event around
-an eager call and as a ``jax.named_scope`` on the instructions a traced call puts in a
-program (``op_name`` metadata in the compiled HLO). There are no negotiation phases to show:
-XLA orders collectives at compile time.
+``*.xplane.pb``). Every Horovod op is named ``horovod/<op>``: an eager call is a host event
+of that name in the trace; a call inside ``@hvd.jit`` is a ``jax.named_scope``, so its
+instructions carry the name in the compiled HLO's ``op_name`` metadata, which GPU and TPU
+device traces show per kernel (the CPU backend's trace has no per-instruction events).
+There are no negotiation phases to show: XLA orders collectives at compile time.
 
 Example:
   >>> import tempfile, numpy as np, parallax.horovod as hvd

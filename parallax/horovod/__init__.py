@@ -29,6 +29,8 @@ Example:
 """
 
 from parallax.horovod import elastic as elastic
+from parallax.horovod.elastic_state import HorovodInternalError as HorovodInternalError
+from parallax.horovod.elastic_state import HostsUpdatedInterrupt as HostsUpdatedInterrupt
 from parallax.horovod.broadcast import allgather_object as allgather_object
 from parallax.horovod.broadcast import broadcast_object as broadcast_object
 from parallax.horovod.broadcast import broadcast_optimizer_state as broadcast_optimizer_state
@@ -85,6 +87,8 @@ __all__ = [
     "Compression",
     "DistributedOptimizer",
     "DistributedOptimizerState",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "PerRank",

@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from parallax import comm
 from parallax.comm import checks
 from parallax.distributed import local_arrays
-from parallax.horovod import eager, join
+from parallax.horovod import eager, join, uneven
 from parallax.horovod import process_sets as sets
 from parallax.horovod.adasum import adasum_all_reduce
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
@@ -163,12 +163,15 @@ def _shapes(api: str, x) -> np.ndarray:
 
 
 @scoped("allgather")
-def allgather(tensor, name=None, process_set=global_process_set, *, axis_name: str = AXIS):
+def allgather(tensor, name=None, process_set=global_process_set, *, valid_rows=None,
+              axis_name: str = AXIS):
     """Concatenates every rank's ``tensor`` along the first dimension (Horovod's ``allgather``).
 
     Eagerly the ranks' first dimensions may differ (the others must match), and a process's
     tensor appears once per rank it holds; inside a program they are equal. With
     ``process_set`` only the set's ranks are concatenated (every rank receives that).
+    Inside a program, ``valid_rows=n`` (this rank's true row count) gathers padded buffers
+    and returns ``(gathered, counts)`` (:mod:`parallax.horovod.uneven`).
 
     Example:
       >>> import numpy as np, parallax.horovod as hvd
@@ -182,10 +185,19 @@ def allgather(tensor, name=None, process_set=global_process_set, *, axis_name: s
     api = "hvd.allgather"
     ranks = sets.members(api, process_set)
     if in_program(api, tensor, axis_name):
+        if valid_rows is not None:
+            if ranks is not None:
+                raise NotImplementedError(f"{api}: valid_rows= with a process set is not yet "
+                                          "supported; use the global process set.")
+            return uneven.allgather_valid(api, tensor, valid_rows, axis_name)
         if ranks is None:
             return comm.all_gather(tensor, axis_name, dim=0, tiled=True)
         return jax.tree.map(lambda x: sets.gather_members(x, ranks, axis_name).reshape(
             (-1,) + x.shape[1:]), tensor)
+    if valid_rows is not None:  # eagerly the shapes may differ: gather the valid rows
+        mine = np.asarray(tensor)[: int(valid_rows)]
+        counts = allgather(np.array([mine.shape[0]], np.int64), process_set=process_set)
+        return allgather(mine, process_set=process_set), counts
     x = tensor if isinstance(tensor, jax.Array) else np.asarray(tensor)
     if np.ndim(x) == 0:
         raise ValueError(f"{api}: tensor is a scalar; allgather concatenates along the first "
@@ -269,7 +281,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
       axis_name: the mesh axis of the ranks inside a program (equal parts only there).
 
     Returns:
-      The received array; with ``splits``, ``(received, received_splits)`` as Horovod's.
+      The received array; with ``splits``, ``(received, received_splits)`` as Horovod's
+      (inside a program one padded block per sender: :mod:`parallax.horovod.uneven`).
 
     Example:
       >>> import numpy as np, parallax.horovod as hvd
@@ -287,8 +300,10 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
     ranks = sets.members(api, process_set)
     if in_program(api, tensor, axis_name):
         if splits is not None:
-            raise ValueError(f"{api}: splits= is supported on process-local arrays only; "
-                             "inside a program every rank sends equal parts.")
+            if ranks is not None:
+                raise NotImplementedError(f"{api}: splits= with a process set inside a "
+                                          "program is not yet supported.")
+            return uneven.alltoall_splits(api, tensor, splits, axis_name)
         if ranks is None:
             return comm.all_to_all(tensor, axis_name, split_dim=0, concat_dim=0)
         return jax.tree.map(lambda x: _alltoall_set(api, x, ranks, axis_name), tensor)

@@ -19,7 +19,9 @@ A rank is a device, as in Horovod (one rank per accelerator): ``size()`` counts 
 of every process, which is what ``@hvd.jit``'s reductions run over; a process holding K
 devices holds K ranks and answers ``rank()`` for its first (:mod:`parallax.horovod.ranks`).
 Collectives are XLA's, started by ``jax.distributed``: no transport of our own.
-Elastic training: ``hvd.elastic.State`` / ``hvd.elastic.run`` (docs/checkpoint.md).
+Elastic training: ``hvd.elastic.State`` / ``hvd.elastic.run`` (docs/checkpoint.md). Process
+sets, grouped collectives, ``reducescatter``, ``join``, the timeline and the rest of
+Horovod's API, with what differs and why: docs/horovod.md.
 
 Example:
   >>> import jax, parallax.horovod as hvd
@@ -38,7 +40,7 @@ from parallax.horovod.broadcast import broadcast_parameters as broadcast_paramet
 from parallax.horovod.collectives import AXIS as AXIS
 from parallax.horovod.collectives import allgather as allgather
 from parallax.horovod.collectives import allreduce as allreduce
-from parallax.horovod.collectives import alltoall as alltoall
+from parallax.horovod.alltoall import alltoall as alltoall
 from parallax.horovod.collectives import broadcast as broadcast
 from parallax.horovod.grouped import grouped_allgather as grouped_allgather
 from parallax.horovod.grouped import grouped_allreduce as grouped_allreduce

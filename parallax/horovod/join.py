@@ -38,9 +38,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from parallax.comm import checks
 from parallax.horovod import eager
 from parallax.horovod.ops import ReduceOp
-from parallax.horovod.ranks import per_process
+from parallax.horovod.ranks import AXIS, per_process
 from parallax.horovod.timeline import scoped
 
 OPS = tuple(ReduceOp)
@@ -86,6 +87,11 @@ def join(device: int = -1) -> int:
       The Horovod rank (first rank of its process) that joined last.
     """
     del device
+    if AXIS in checks.available_axes():
+        raise ValueError(
+            "hvd.join: called inside a program over the Horovod axis; every rank runs every "
+            "step of one SPMD program, so none can leave early. Call hvd.join() eagerly after "
+            "the loop, or give each rank a weight (0 without data) and scale its gradient.")
     if jax.process_count() == 1:
         return 0
     joined_at = _ROUNDS[0]

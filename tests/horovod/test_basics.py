@@ -2,7 +2,10 @@
 per rank, the topology calls answer for one node (join across processes:
 test_multiprocess.py)."""
 
+import re
+
 import numpy as np
+import pytest
 
 import parallax.horovod as hvd
 
@@ -21,3 +24,15 @@ def test_cross_rank_reads_horovodruns_environment(monkeypatch):
     monkeypatch.setenv("HOROVOD_CROSS_RANK", "2")
     monkeypatch.setenv("HOROVOD_CROSS_SIZE", "4")
     assert (hvd.cross_rank(), hvd.cross_size()) == (2, 4)
+
+
+def test_join_inside_a_program_is_refused():
+    @hvd.jit
+    def step(x):
+        hvd.join()
+        return hvd.allreduce(x.sum())
+
+    with pytest.raises(ValueError, match=re.escape(
+            "hvd.join: called inside a program over the Horovod axis; every rank runs every "
+            "step of one SPMD program, so none can leave early.")):
+        step(np.ones((8, 1), np.float32))

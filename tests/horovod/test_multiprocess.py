@@ -80,3 +80,7 @@ def test_join_lets_a_process_run_out_of_data_while_the_other_reduces():
         assert f"[{rank}] objects [{{'rank': 0}}, {{'rank': 1}}]" in out.stdout
     # rank 0 alone sums its own 5; rank 1, outside the set, takes part and keeps its 6
     assert "[0] set 5.0 cross 0 1" in out.stdout and "[1] set 6.0 cross 0 1" in out.stdout
+    # eager: the set {0}'s gather; reducescatter averages 1x and 2x arange(4): rank r keeps
+    # part r; a grouped allreduce sums each tensor
+    assert "[0] more [0] [0.0, 1.5] [1.0, [2.0, 2.0]]" in out.stdout
+    assert "[1] more [0] [3.0, 4.5] [1.0, [2.0, 2.0]]" in out.stdout

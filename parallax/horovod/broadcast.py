@@ -1,4 +1,5 @@
-"""Horovod's broadcasts of state: parameters, optimizer state, any Python object.
+"""Horovod's broadcasts of state: parameters, optimizer state, any Python object (and
+``allgather_object``: every rank's object).
 
 Processes that start from different seeds (or a restarted process) train one model once
 every process holds rank 0's parameters and optimizer state; these are
@@ -78,3 +79,28 @@ def broadcast_object(obj, root_rank: int = 0):
     if jax.process_index() == root:
         buffer[:] = data
     return pickle.loads(broadcasting.broadcast(buffer, root).tobytes())
+
+
+def allgather_object(obj, name=None, process_set=None) -> list:
+    """Every rank's picklable ``obj``, in rank order (Horovod's ``allgather_object``).
+
+    A process holding K ranks contributes its object once per rank (as ``hvd.allgather``).
+
+    Example:
+      >>> import parallax.horovod as hvd
+      >>> objs = hvd.allgather_object({"rank": hvd.rank()})
+      >>> len(objs) == hvd.size(), objs[0]
+      (True, {'rank': 0})
+
+    References:
+      Horovod ``allgather_object`` (horovod/torch/functions.py: pickled, sizes gathered, then
+      the bytes).
+    """
+    from parallax.horovod.collectives import allgather
+    from parallax.horovod.process_sets import global_process_set
+    process_set = global_process_set if process_set is None else process_set
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = allgather(np.array([data.size], np.int64), name, process_set)
+    every = allgather(data, name, process_set)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    return [pickle.loads(every[starts[i]:starts[i + 1]].tobytes()) for i in range(len(sizes))]

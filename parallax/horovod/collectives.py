@@ -16,26 +16,30 @@ Each works in two places, like Horovod's ops inside and outside ``tf.function``:
 Called on traced values anywhere else (plain ``jax.jit``), they raise: a process-local jit
 has no other ranks to talk to.
 
-(A little over 300 lines: Horovod's collective ops are one family, each a few lines.)
+Every op takes ``process_set=`` (:mod:`parallax.horovod.process_sets`); ``alltoall`` is in
+:mod:`parallax.horovod.alltoall`, the grouped ops and ``reducescatter`` in
+:mod:`parallax.horovod.grouped`.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import multihost_utils
 
 from parallax import comm
 from parallax.comm import checks
 from parallax.distributed import local_arrays
-from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
+from parallax.horovod import eager, join, uneven
+from parallax.horovod import process_sets as sets
+from parallax.horovod.adasum import adasum_all_reduce
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
-
+from parallax.horovod.process_sets import global_process_set
 from parallax.horovod.ranks import AXIS as AXIS
-from parallax.horovod.ranks import owner, per_process
+from parallax.horovod.ranks import owner
+from parallax.horovod.timeline import scoped
 
 
 def in_program(api: str, tree, axis_name: str) -> bool:
@@ -51,69 +55,59 @@ def in_program(api: str, tree, axis_name: str) -> bool:
     return False
 
 
-@functools.cache
-def _program(kind: str, *static):
-    """One jitted program per kind and static arguments (jit caches by function identity)."""
-    if kind == "reduce":
-        fn = functools.partial(_reduce_rows, op=static[0], wide=static[1], copies=static[2])
-    elif kind == "pick":
-        fn = functools.partial(_pick, root=static[0])
+def reduce_in_program(x, op: ReduceOp, wire, axis_name: str, ranks=None):
+    """``x`` reduced over the axis (or the process set ``ranks``; others keep ``x``)."""
+    if ranks is None:
+        if op is ReduceOp.Adasum:
+            return adasum_all_reduce(x, axis_name)
+        name = {ReduceOp.Sum: "sum", ReduceOp.Average: "mean", ReduceOp.Min: "min",
+                ReduceOp.Max: "max", ReduceOp.Product: "prod"}[op]
+        return comm.all_reduce(x, axis_name, name, compression=wire)
+    if op is ReduceOp.Product:  # XLA's all-reduce has no product: gather the members
+        out = jnp.prod(sets.gather_members(x, ranks, axis_name), axis=0)
     else:
-        fn = _gather
-    return jax.jit(fn, out_shardings=local_arrays.replicated())
+        reduce = {ReduceOp.Sum: lax.psum, ReduceOp.Average: lax.psum, ReduceOp.Min: lax.pmin,
+                  ReduceOp.Max: lax.pmax}[op]
+        groups = sets.groups(ranks, lax.axis_size(axis_name))
+        out = reduce(x.astype(wire.wire_dtype(x.dtype)), axis_name,
+                     axis_index_groups=groups).astype(wire.accumulate_dtype(x.dtype))
+        out = (out / len(ranks) if op is ReduceOp.Average else out).astype(x.dtype)
+    return jnp.where(sets.is_member(ranks, axis_name), out, x)
 
 
-def _pick(rows, root: int):
-    return rows[root]
+def check_set_op(api: str, op: ReduceOp, ranks) -> None:
+    if ranks is not None and op is ReduceOp.Adasum:
+        raise NotImplementedError(f"{api}: op=hvd.Adasum on a process set is not supported "
+                                  "(nor in Horovod); use the global process set.")
 
 
-def _gather(rows):
-    return rows
+def eager_reduce(api: str, x, op: ReduceOp, wire, counts, prescale: float = 1.0,
+                 postscale: float = 1.0):
+    """This process's copy of the reduction of every process's ``x`` (``counts`` per process)."""
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        x = np.asarray(x, jax.dtypes.canonicalize_dtype(np.result_type(x)))
+    if op is ReduceOp.Average and not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise TypeError(f"{api}: op=hvd.Average of an integer tensor ({x.dtype}); use "
+                        "op=hvd.Sum.")
+    wide = wire.accumulate_dtype(x.dtype)
+    sent = np.asarray(x * prescale if prescale != 1.0 else x).astype(wire.wire_dtype(x.dtype))
+    exact = jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype
+    join.announce(api, op, sent, wide, counts, followable=exact)  # for joined processes
+    if exact:
+        out = np.asarray(eager.run(eager.program("reduce", op, wide, counts), sent,
+                                   out_like=sent))
+    else:  # 64-bit without jax_enable_x64: gather exactly, reduce on the host
+        out = eager.reduce_on_host(api, sent, op, wide, counts)
+    if counts[jax.process_index()] == 0:
+        return x  # outside the process set: its own value back
+    out = out * postscale if postscale != 1.0 else out
+    return local_arrays.like(np.asarray(out).astype(x.dtype), x)
 
 
-def _eager(program, value, out_like):
-    """Runs ``program`` on the processes' rows of ``value``; returns this process's copy."""
-    out = program(local_arrays.stack(value))
-    return local_arrays.like(local_arrays.local_copy(out), out_like)
-
-
-def _reduce_rows(rows, op: ReduceOp, wide, copies: int):
-    """Reduces ``[processes, ...]`` over the ranks: each process's row counts ``copies`` times."""
-    rows = jnp.repeat(rows.astype(wide), copies, axis=0) if copies > 1 else rows.astype(wide)
-    if op in (ReduceOp.Sum, ReduceOp.Average):
-        total = jnp.sum(rows, axis=0)
-        return total / rows.shape[0] if op is ReduceOp.Average else total
-    if op is ReduceOp.Adasum:
-        return adasum_stack(rows)
-    return {ReduceOp.Min: jnp.min, ReduceOp.Max: jnp.max, ReduceOp.Product: jnp.prod}[op](
-        rows, axis=0)
-
-
-def _reduce_on_host(api: str, sent: np.ndarray, op: ReduceOp, wide) -> np.ndarray:
-    """Reduces 64-bit values that JAX would compute in 32 bits: gather bytes, reduce in numpy."""
-    if op is ReduceOp.Adasum:
-        raise TypeError(f"{api}: hvd.Adasum of a {sent.dtype} tensor needs jax_enable_x64 on "
-                        "every process (or pass float32).")
-    every = local_arrays.from_bytes(
-        _eager(_program("gather"), local_arrays.as_bytes(sent), out_like=np.zeros(0)),
-        sent.dtype, (jax.process_count(),) + sent.shape).astype(wide)
-    every = np.repeat(every, per_process(), axis=0)  # one row per rank
-    reduce = {ReduceOp.Sum: np.sum, ReduceOp.Average: np.mean, ReduceOp.Min: np.min,
-              ReduceOp.Max: np.max, ReduceOp.Product: np.prod}[op]
-    return reduce(every, axis=0)
-
-
-def _reduce_in_program(x, op: ReduceOp, wire, axis_name: str):
-    if op is ReduceOp.Adasum:
-        return adasum_all_reduce(x, axis_name)
-    name = {ReduceOp.Sum: "sum", ReduceOp.Average: "mean", ReduceOp.Min: "min",
-            ReduceOp.Max: "max", ReduceOp.Product: "prod"}[op]
-    return comm.all_reduce(x, axis_name, name, compression=wire)
-
-
+@scoped("allreduce")
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-              axis_name: str = AXIS):
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set=global_process_set, *, axis_name: str = AXIS):
     """Reduces ``tensor`` over every rank and gives each the result (Horovod's ``allreduce``).
 
     Args:
@@ -124,6 +118,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
       op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Adasum``, ``hvd.Min``, ``hvd.Max``,
         ``hvd.Product``.
       prescale_factor, postscale_factor: multiply before and after the reduction.
+      process_set: the ranks taking part (``hvd.add_process_set``); Average divides by its
+        size. A rank outside it gets its own value back.
       axis_name: the mesh axis of the ranks inside a program (``@hvd.jit``'s ``"data"``).
 
     Returns:
@@ -144,31 +140,17 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     op = check_op(api, op if op is not None else (ReduceOp.Sum if average is False
                                                   else ReduceOp.Average))
     wire = check_compression(api, compression)
+    ranks = sets.members(api, process_set)
+    check_set_op(api, op, ranks)
     if in_program(api, tensor, axis_name):
         def one(x):
             x = x * prescale_factor if prescale_factor != 1.0 else x
-            x = _reduce_in_program(x, op, wire, axis_name)
+            x = reduce_in_program(x, op, wire, axis_name, ranks)
             return x * postscale_factor if postscale_factor != 1.0 else x
         return jax.tree.map(one, tensor)
-
-    def eager(x):
-        if not isinstance(x, (jax.Array, np.ndarray)):
-            x = np.asarray(x, jax.dtypes.canonicalize_dtype(np.result_type(x)))
-        if op is ReduceOp.Average and not jnp.issubdtype(x.dtype, jnp.inexact):
-            raise TypeError(f"{api}: op=hvd.Average of an integer tensor ({x.dtype}); use "
-                            "op=hvd.Sum.")
-        wide = wire.accumulate_dtype(x.dtype)
-        sent = np.asarray(x * prescale_factor if prescale_factor != 1.0 else x).astype(
-            wire.wire_dtype(x.dtype))
-        if jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
-            out = np.asarray(_eager(_program("reduce", op, wide, per_process()), sent,
-                                    out_like=sent))
-        else:  # 64-bit without jax_enable_x64: gather exactly, reduce on the host
-            out = _reduce_on_host(api, sent, op, wide)
-        out = out * postscale_factor if postscale_factor != 1.0 else out
-        return local_arrays.like(np.asarray(out).astype(x.dtype), x)
-
-    return jax.tree.map(eager, tensor)
+    counts = sets.eager_counts(ranks)
+    return jax.tree.map(lambda x: eager_reduce(api, x, op, wire, counts, prescale_factor,
+                                               postscale_factor), tensor)
 
 
 def _shapes(api: str, x) -> np.ndarray:
@@ -181,11 +163,16 @@ def _shapes(api: str, x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(shape)).reshape(len(ndims), -1)
 
 
-def allgather(tensor, name=None, *, axis_name: str = AXIS):
+@scoped("allgather")
+def allgather(tensor, name=None, process_set=global_process_set, *, valid_rows=None,
+              axis_name: str = AXIS):
     """Concatenates every rank's ``tensor`` along the first dimension (Horovod's ``allgather``).
 
     Eagerly the ranks' first dimensions may differ (the others must match), and a process's
-    tensor appears once per rank it holds; inside a program they are equal.
+    tensor appears once per rank it holds; inside a program they are equal. With
+    ``process_set`` only the set's ranks are concatenated (every rank receives that).
+    Inside a program, ``valid_rows=n`` (this rank's true row count) gathers padded buffers
+    and returns ``(gathered, counts)`` (:mod:`parallax.horovod.uneven`).
 
     Example:
       >>> import numpy as np, parallax.horovod as hvd
@@ -197,14 +184,28 @@ def allgather(tensor, name=None, *, axis_name: str = AXIS):
     """
     del name
     api = "hvd.allgather"
+    ranks = sets.members(api, process_set)
     if in_program(api, tensor, axis_name):
-        return comm.all_gather(tensor, axis_name, dim=0, tiled=True)
+        if valid_rows is not None:
+            if ranks is not None:
+                raise NotImplementedError(f"{api}: valid_rows= with a process set is not yet "
+                                          "supported; use the global process set.")
+            return uneven.allgather_valid(api, tensor, valid_rows, axis_name)
+        if ranks is None:
+            return comm.all_gather(tensor, axis_name, dim=0, tiled=True)
+        return jax.tree.map(lambda x: sets.gather_members(x, ranks, axis_name).reshape(
+            (-1,) + x.shape[1:]), tensor)
+    if valid_rows is not None:  # eagerly the shapes may differ: gather the valid rows
+        mine = np.asarray(tensor)[: int(valid_rows)]
+        counts = allgather(np.array([mine.shape[0]], np.int64), process_set=process_set)
+        return allgather(mine, process_set=process_set), counts
     x = tensor if isinstance(tensor, jax.Array) else np.asarray(tensor)
     if np.ndim(x) == 0:
         raise ValueError(f"{api}: tensor is a scalar; allgather concatenates along the first "
                          "dimension, so pass at least one dimension (e.g. x[None]).")
+    counts = sets.eager_counts(ranks)
     if jax.process_count() == 1:
-        return local_arrays.like(np.concatenate([np.asarray(x)] * per_process()), tensor)
+        return local_arrays.like(np.concatenate([np.asarray(x)] * counts[0]), tensor)
     shapes = _shapes(api, x)
     if (shapes[:, 1:] != shapes[0, 1:]).any():
         raise ValueError(f"{api}: the ranks' tensors differ beyond the first dimension: shapes "
@@ -213,10 +214,9 @@ def allgather(tensor, name=None, *, axis_name: str = AXIS):
     rows = int(shapes[:, 0].max())
     padded = np.zeros((rows,) + x.shape[1:], x.dtype)
     padded[: x.shape[0]] = x
-    every = _eager(_program("gather"), local_arrays.as_bytes(padded), out_like=np.zeros(0))
-    every = local_arrays.from_bytes(every, x.dtype, (len(shapes),) + padded.shape)
+    every = eager.gather_bytes(padded)
     out = np.concatenate([every[p, :n] for p, n in enumerate(shapes[:, 0])
-                          for _ in range(per_process())])  # a process's tensor per rank
+                          for _ in range(counts[p])])  # a process's tensor per rank
     return local_arrays.like(out, tensor)
 
 
@@ -227,7 +227,9 @@ def _same_shape(api: str, x) -> None:
                          f"{[tuple(s) for s in shapes.tolist()]}; they must be equal.")
 
 
-def broadcast(tensor, root_rank: int, name=None, *, axis_name: str = AXIS):
+@scoped("broadcast")
+def broadcast(tensor, root_rank: int, name=None, process_set=global_process_set, *,
+              axis_name: str = AXIS):
     """Every rank gets ``root_rank``'s ``tensor`` (Horovod's ``broadcast``).
 
     Example:
@@ -240,89 +242,26 @@ def broadcast(tensor, root_rank: int, name=None, *, axis_name: str = AXIS):
     """
     del name
     api = "hvd.broadcast"
-    if in_program(api, tensor, axis_name):
-        return comm.broadcast(tensor, axis_name, root=root_rank)
+    ranks = sets.members(api, process_set)
     root_process = owner(api, root_rank)
+    if ranks is not None and root_rank not in ranks:
+        raise ValueError(f"{api}: root_rank={root_rank} is not in the process set "
+                         f"{list(ranks)}; the root must be one of its ranks.")
+    if in_program(api, tensor, axis_name):
+        out = comm.broadcast(tensor, axis_name, root=root_rank)
+        if ranks is None:
+            return out
+        member = sets.is_member(ranks, axis_name)
+        return jax.tree.map(lambda o, x: jnp.where(member, o, x), out, tensor)
+    outside = sets.eager_counts(ranks)[jax.process_index()] == 0
 
     def one(x):
         _same_shape(api, x)
         value = np.asarray(x)
-        picked = _eager(_program("pick", root_process), local_arrays.as_bytes(value),
-                        out_like=np.zeros(0))
+        picked = eager.run(eager.program("pick", root_process), local_arrays.as_bytes(value),
+                           out_like=np.zeros(0))
+        if outside:  # takes part (every process runs the program), keeps its own value
+            return x
         return local_arrays.like(local_arrays.from_bytes(picked, value.dtype, value.shape), x)
 
     return jax.tree.map(one, tensor)
-
-
-@functools.cache
-def _by_destination():
-    """Rows ``[source, destination, ...]`` -> ``[destination, source, ...]``, split by destination."""
-    return jax.jit(lambda rows: jnp.swapaxes(rows, 0, 1), out_shardings=jax.sharding.NamedSharding(
-        local_arrays.process_mesh(), jax.P(local_arrays.PROCESS)))
-
-
-def alltoall(tensor, splits=None, name=None, *, axis_name: str = AXIS):
-    """Sends part ``j`` of ``tensor`` (along dim 0) to rank ``j``; returns what every rank
-    sent here, concatenated in rank order (Horovod's ``alltoall``).
-
-    Args:
-      tensor: this rank's array.
-      splits: rows sent to each rank (length ``size()``); by default equal parts.
-      name: accepted for Horovod's signature.
-      axis_name: the mesh axis of the ranks inside a program (equal parts only there).
-
-    Returns:
-      The received array; with ``splits``, ``(received, received_splits)`` as Horovod's.
-
-    Example:
-      >>> import numpy as np, parallax.horovod as hvd
-      >>> hvd.alltoall(np.arange(4))  # doctest: +SKIP
-      array([0, 1, 2, 3])
-
-      (Eagerly with one device per process; a process of several ranks calls it inside
-      ``@hvd.jit``.)
-
-    References:
-      ``MPI_Alltoallv``; Horovod ``alltoall``.
-    """
-    del name
-    api = "hvd.alltoall"
-    if in_program(api, tensor, axis_name):
-        if splits is not None:
-            raise ValueError(f"{api}: splits= is supported on process-local arrays only; "
-                             "inside a program every rank sends equal parts.")
-        return comm.all_to_all(tensor, axis_name, split_dim=0, concat_dim=0)
-    x = np.asarray(tensor)
-    if per_process() > 1:
-        first = jax.process_index() * per_process()
-        raise ValueError(
-            f"{api}: this process holds ranks {first} .. {first + per_process() - 1} "
-            f"({per_process()} devices), and each of them would receive different parts, "
-            "which one process-local result cannot hold. Call hvd.alltoall inside @hvd.jit "
-            "(each device is a rank there), or run one device per process.")
-    count, me = jax.process_count(), jax.process_index()
-    if splits is None:
-        if np.ndim(x) == 0 or x.shape[0] % count:
-            raise ValueError(f"{api}: the first dimension of shape {x.shape} does not split "
-                             f"into {count} equal parts; pass splits=[rows for each rank].")
-        sent = np.full(count, x.shape[0] // count, np.int64)
-    else:
-        sent = np.asarray(splits, np.int64).reshape(-1)
-        if sent.shape != (count,) or (sent < 0).any() or sent.sum() != x.shape[0]:
-            raise ValueError(f"{api}: splits={sent.tolist()} must be {count} counts >= 0 "
-                             f"adding up to the first dimension {x.shape[0]}.")
-    matrix = np.asarray(multihost_utils.process_allgather(sent)).reshape(count, count)
-    width = max(int(matrix.max()), 1)
-    chunks = np.zeros((count, width) + x.shape[1:], x.dtype)
-    starts = np.concatenate([[0], np.cumsum(sent)])
-    for j in range(count):
-        chunks[j, : sent[j]] = x[starts[j]:starts[j + 1]]
-    # rows [source, destination, width, ...] -> [destination, source, ...], split by destination
-    mine = local_arrays.local_copy(_by_destination()(local_arrays.stack(
-        local_arrays.as_bytes(chunks))))[0]
-    mine = local_arrays.from_bytes(mine, x.dtype, (count, width) + x.shape[1:])
-    received = np.concatenate([mine[s, : matrix[s, me]] for s in range(count)])
-    out = local_arrays.like(received, tensor)
-    if splits is None:
-        return out
-    return out, matrix[:, me].copy()

@@ -28,6 +28,18 @@ newest commit: kept in the node's RAM by the launcher, else the newest on disk
 N processes restores on M, in the layout of the mesh the restarted program builds. With the
 global batch fixed (each process loading ``process_slice(GLOBAL_BATCH, ...)`` of it), the
 resumed run computes what the uninterrupted one would have.
+
+Within one group, ``run`` retries as Horovod's ``run_fn`` does: on ``HorovodInternalError``
+it restores the last commit and calls the function again; on ``HostsUpdatedInterrupt`` it
+syncs (unless ``skip_sync``) and calls it again from the current state; after each, the
+reset callbacks run. What remains a restart of the whole group: Horovod re-forms its ring
+in-process after a lost worker (``hvd.shutdown(); hvd.init()``), while ``jax.distributed``
+cannot re-form a group in a running process, so a failure of the group itself (a peer
+killed: its collectives fail, the coordination service aborts) ends the processes, and the
+launcher restarts them from the newest commit. The in-process retry serves errors every
+process raises together (a step that detects a bad batch or a non-finite loss and raises
+``HorovodInternalError`` on every rank), and ``HostsUpdatedInterrupt`` raised by the program.
+``hvd.elastic.ObjectState`` (small Python values committed in memory) works with both.
 """
 
 from __future__ import annotations
@@ -41,11 +53,15 @@ import jax
 from parallax.checkpoint.elastic import Commits, launcher_memory
 from parallax.checkpoint.store import checkpoint_path
 from parallax.horovod.broadcast import broadcast_object
+from parallax.horovod.elastic_state import HorovodInternalError as HorovodInternalError
+from parallax.horovod.elastic_state import HostsUpdatedInterrupt as HostsUpdatedInterrupt
+from parallax.horovod.elastic_state import ObjectState as ObjectState
+from parallax.horovod.elastic_state import ResetCallbacks
 
 API = "hvd.elastic.State"
 
 
-class State:
+class State(ResetCallbacks):
     """A training state and the values a resume needs, committed and restored together.
 
     Args:
@@ -97,7 +113,6 @@ class State:
         self._commits = Commits(directory=directory, memory=memory,
                                 checkpoint_every=checkpoint_every, keep=keep)
         self._commit = 0
-        self._reset_callbacks: list[Callable[[], None]] = []
         self.resumed = None  # (commit, where, processes that made it) after a restore
 
     def attrs(self) -> dict:
@@ -128,11 +143,6 @@ class State:
         for name, value in broadcast_object(self.attrs(), 0).items():
             setattr(self, name, value)
 
-    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
-        """Calls each after a restore onto a different number of processes (rescale a learning
-        rate, rebuild a data loader), as Horovod does after a reset."""
-        self._reset_callbacks.extend(callbacks)
-
     def wait(self) -> None:
         """Blocks until every commit started is written."""
         self._commits.wait()
@@ -145,33 +155,71 @@ def _processes(count: int) -> str:
     return f"{count} process{'es' if count > 1 else ''}"
 
 
-def run(func: Callable) -> Callable:
-    """Runs ``func(state, ...)`` from the newest commit, as Horovod's ``hvd.elastic.run``.
+def run(func: Callable | None = None, *, reset_limit: int | None = None) -> Callable:
+    """Runs ``func(state, ...)`` from the newest commit, retrying as Horovod's ``hvd.elastic.run``.
 
-    Before calling ``func`` it restores the newest commit, if there is one (after a restart
-    by ``parallax launch --max-restarts``, or a job started again by hand), says so on
-    process 0, runs the reset callbacks when the number of processes changed, and syncs the
-    values. After ``func`` returns it waits for the commits to be written. If ``func``
-    raises (a peer died), the process ends and the launcher restarts the group.
+    Before the first call, for a :class:`State`, it restores the newest commit if there is
+    one (after a restart by ``parallax launch --max-restarts``, or a job started again by
+    hand), says so on process 0, and runs the reset callbacks when the number of processes
+    changed. Then, as Horovod's ``run_fn``: sync the state from rank 0 and call ``func``; on
+    ``HorovodInternalError`` restore the last commit and call again; on
+    ``HostsUpdatedInterrupt`` call again from the current state (syncing unless
+    ``skip_sync``); after either, the reset callbacks run. After ``func`` returns it waits for
+    the commits to be written. Any other error ends the process (the launcher restarts the
+    group: see the module's notes).
+
+    Args:
+      func: the training function; its first argument is the state.
+      reset_limit: retries allowed in this process (None: no limit); one more raises.
 
     Returns:
       The wrapped function.
+
+    Example:
+      >>> import parallax.horovod as hvd
+      >>> state, attempts = hvd.elastic.ObjectState(step=0), []
+      >>> @hvd.elastic.run
+      ... def train(state):
+      ...     attempts.append(state.step)
+      ...     state.step += 1
+      ...     if len(attempts) == 1:
+      ...         raise hvd.HorovodInternalError("a failed collective")  # back to step 0
+      ...     return state.step
+      >>> train(state), attempts
+      (1, [0, 0])
     """
+    if func is None:
+        return functools.partial(run, reset_limit=reset_limit)
 
     @functools.wraps(func)
-    def wrapper(state: State, *args, **kwargs):
-        if state.restore():
+    def wrapper(state, *args, **kwargs):
+        if isinstance(state, State) and state.restore():
             commit, where, processes = state.resumed
             if jax.process_index() == 0:
                 print(f"parallax elastic: restart {os.environ.get('PARALLAX_RESTART', '0')} "
                       f"on {_processes(jax.process_count())}: resumed from commit {commit} "
                       f"({where}, made by {_processes(processes)}) at {state.attrs()}", flush=True)
             if processes != jax.process_count():
-                for callback in state._reset_callbacks:
-                    callback()
-        state.sync()
-        result = func(state, *args, **kwargs)
-        state.close()
+                state.on_reset()
+        skip_sync, resets = False, 0
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                result = func(state, *args, **kwargs)
+                break
+            except HorovodInternalError:
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as interrupt:
+                skip_sync = interrupt.skip_sync
+            resets += 1
+            if reset_limit is not None and resets > reset_limit:
+                raise RuntimeError(f"hvd.elastic.run: {resets} resets in this process, over "
+                                   f"reset_limit={reset_limit}.")
+            state.on_reset()
+        if isinstance(state, State):
+            state.close()
         return result
 
     return wrapper

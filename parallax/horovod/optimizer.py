@@ -42,6 +42,7 @@ from jax import lax
 from parallax import comm, context
 from parallax.comm import checks
 from parallax.distributed import local_arrays
+from parallax.horovod import gradient_groups
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.collectives import AXIS
 from parallax.horovod.per_rank import PerRank
@@ -84,7 +85,7 @@ def _mode(grads, axis_name: str) -> str:
 
 
 def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes: int,
-            axis_name: str, algorithm: str):
+            axis_name: str, algorithm: str, groups=None):
     """The gradients reduced over the ranks as ``op`` says (mean for Average)."""
     if mode == "strategy" or (mode == "eager" and jax.device_count() == 1):
         return grads  # reduced by the strategy already, or one rank
@@ -99,8 +100,17 @@ def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes
     scaled = [g / predivide for g in leaves] if predivide != 1.0 else leaves
     if mode == "program":
         ranks = lax.axis_size(axis_name)
-        summed = comm.bucketed_all_reduce(scaled, axis_name, bucket_bytes=fusion_bytes,
-                                          op="sum", compression=wire, algorithm=algorithm)
+        if groups is None:
+            summed = comm.bucketed_all_reduce(scaled, axis_name, bucket_bytes=fusion_bytes,
+                                              op="sum", compression=wire, algorithm=algorithm)
+        else:  # Horovod's explicit groups: one fused all-reduce each (per dtype)
+            summed = list(scaled)
+            for group in groups:
+                out = comm.bucketed_all_reduce([scaled[i] for i in group], axis_name,
+                                               bucket_bytes=None, op="sum", compression=wire,
+                                               algorithm=algorithm)
+                for i, o in zip(group, out):
+                    summed[i] = o
     else:
         ranks = jax.device_count()
         sent = [np.asarray(g).astype(wire.wire_dtype(g.dtype)) for g in scaled]
@@ -140,7 +150,8 @@ def _eager_rows(kind: tuple, leaves):
 def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
-                         average_aggregated_gradients: bool = False, *,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups=None, *,
                          fusion_bytes: int = FUSION_BYTES, algorithm: str = "xla",
                          axis_name: str = AXIS) -> optax.GradientTransformation:
     """Wraps ``tx`` so that its updates use the gradients averaged over every rank.
@@ -155,6 +166,11 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       gradient_predivide_factor: split Average's division around the sum (Average only).
       average_aggregated_gradients: divide the ``backward_passes_per_step`` accumulated
         gradients by their number (Horovod TensorFlow's flag, default False: the sum).
+      num_groups: split the gradients, in tree order, into this many groups, each one fused
+        all-reduce inside a program (Horovod's ``num_groups``; 0: by ``fusion_bytes``).
+      groups: lists of parameter paths (``jax.tree_util.keystr``) reduced together; each
+        other parameter is a group of its own (Horovod's ``groups``;
+        :mod:`parallax.horovod.gradient_groups`). Eager and Adasum reductions ignore groups.
       fusion_bytes: bucket capacity of the fused all-reduce (Horovod's fusion threshold).
       algorithm: how each bucket is summed inside a program: ``"xla"`` (XLA's all-reduce:
         NCCL on GPU, ICI on TPU, gloo on CPU) or ``"tree"``, ``"ring"``, ``"auto"``
@@ -213,9 +229,11 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
         raise ValueError(f"{API}: gradient_predivide_factor={gradient_predivide_factor!r} must "
                          "be > 0, and other than 1 only with op=hvd.Average.")
 
+    gradient_groups.check(num_groups, groups)
+
     def reduce(grads):
         return _reduce(grads, _mode(grads, axis_name), op, wire, factor, fusion_bytes,
-                       axis_name, algorithm)
+                       axis_name, algorithm, gradient_groups.assign(grads, num_groups, groups))
 
     def init_fn(params):
         accumulated = PerRank(jax.tree.map(jnp.zeros_like, params)) if k > 1 else ()

@@ -19,13 +19,17 @@ Example:
   (True, 0)
 
 References:
-  Horovod's ``hvd.rank()``, ``hvd.size()``, ``hvd.local_rank()``, ``hvd.local_size()``
+  Horovod's ``hvd.rank()``, ``hvd.size()``, ``hvd.local_rank()``, ``hvd.local_size()``,
+  ``hvd.cross_rank()``, ``hvd.cross_size()``, ``hvd.is_homogeneous()``
   (horovod/common/basics.py): one process per GPU, so one rank per accelerator.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
+import numpy as np
 from jax import lax
 
 from parallax.comm import checks
@@ -99,3 +103,53 @@ def owner(api: str, root_rank: int) -> int:
         raise ValueError(f"{api}: root_rank={root_rank!r} is not a rank of this job "
                          f"(0 .. {size() - 1}: one rank per device).")
     return root_rank // per_process()
+
+
+def _env_int(names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+def cross_size() -> int:
+    """The number of nodes (Horovod: the ranks sharing this rank's local rank, one per node).
+
+    From ``parallax launch``'s ``PARALLAX_NUM_NODES`` (or horovodrun's ``HOROVOD_CROSS_SIZE``),
+    else the processes over the processes per host.
+
+    Example:
+      >>> import parallax.horovod as hvd
+      >>> hvd.cross_size()
+      1
+    """
+    nodes = _env_int(("PARALLAX_NUM_NODES", "HOROVOD_CROSS_SIZE"))
+    return nodes if nodes else max(1, runtime.size() // runtime.local_size())
+
+
+def cross_rank() -> int:
+    """This node's index (``PARALLAX_NODE_RANK`` or ``HOROVOD_CROSS_RANK``, else the process
+    index over the processes per host: processes numbered node by node).
+
+    Example:
+      >>> import parallax.horovod as hvd
+      >>> hvd.cross_rank()
+      0
+    """
+    node = _env_int(("PARALLAX_NODE_RANK", "HOROVOD_CROSS_RANK"))
+    return node if node is not None else runtime.rank() // runtime.local_size()
+
+
+def is_homogeneous() -> bool:
+    """True when every node holds the same number of ranks (checked across processes).
+
+    Example:
+      >>> import parallax.horovod as hvd
+      >>> hvd.is_homogeneous()
+      True
+    """
+    if jax.process_count() == 1:
+        return True
+    from jax.experimental import multihost_utils
+    sizes = np.asarray(multihost_utils.process_allgather(np.int64(local_size())))
+    return bool((sizes == sizes.reshape(-1)[0]).all())

@@ -46,3 +46,36 @@ def shutdown() -> None:
       >>> hvd.shutdown()
     """
     runtime.shutdown()
+
+
+def mpi_threads_supported() -> bool:
+    """False: there is no MPI here (JAX's coordinator and XLA's collectives)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: no MPI (Horovod's ``mpi_enabled``)."""
+    return False
+
+
+def mpi_built() -> bool:
+    """False: no MPI (Horovod's ``mpi_built``)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """True on CPU, where XLA's cross-process collectives are gloo's.
+
+    Example:
+      >>> import parallax.horovod as hvd
+      >>> hvd.gloo_enabled()
+      True
+    """
+    import jax
+    return jax.default_backend() == "cpu"
+
+
+def nccl_built() -> bool:
+    """True on GPU, where XLA's collectives are NCCL's (Horovod's ``nccl_built``)."""
+    import jax
+    return jax.default_backend() == "gpu"

@@ -67,3 +67,20 @@ def test_horovodruns_environment_is_one_job_not_n_single_processes():
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out[-3000:]
         assert f"source horovodrun processes 2 size 2 rank {r} sum 3" in out, out[-3000:]
+
+
+def test_join_lets_a_process_run_out_of_data_while_the_other_reduces():
+    """Process 1 joins after one batch; process 0's next allreduces count it as zero (its
+    averages still divide by size(), as Horovod's), and join returns the last to join."""
+    out = run_launcher(["-np", "2", sys.executable, "tests/horovod/programs/join.py"])
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "[0] sums [11.0, 20.0, 30.0] means [5.5, 10.0, 15.0] last 0" in out.stdout
+    assert "[1] sums [11.0] means [5.5] last 0" in out.stdout
+    for rank in range(2):
+        assert f"[{rank}] objects [{{'rank': 0}}, {{'rank': 1}}]" in out.stdout
+    # rank 0 alone sums its own 5; rank 1, outside the set, takes part and keeps its 6
+    assert "[0] set 5.0 cross 0 1" in out.stdout and "[1] set 6.0 cross 0 1" in out.stdout
+    # eager: the set {0}'s gather; reducescatter averages 1x and 2x arange(4): rank r keeps
+    # part r; a grouped allreduce sums each tensor
+    assert "[0] more [0] [0.0, 1.5] [1.0, [2.0, 2.0]]" in out.stdout
+    assert "[1] more [0] [3.0, 4.5] [1.0, [2.0, 2.0]]" in out.stdout

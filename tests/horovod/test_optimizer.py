@@ -227,3 +227,36 @@ def test_errors():
     with pytest.raises(ValueError, match=re.escape(
             "hvd.allreduce: called on traced values where the Horovod axis 'data' is not bound")):
         jax.jit(hvd.allreduce)(jnp.ones(2))
+
+
+@pytest.mark.parametrize("grouping", [dict(num_groups=2),
+                                      dict(groups=[["['b1']", "['w2']"]])])
+def test_explicit_groups_are_one_all_reduce_each_and_train_the_same(grouping):
+    """Horovod's num_groups / groups: the compiled step holds one all-reduce per group (the
+    combiner off, as above), of the group's bytes, and trains to the one-device numbers."""
+    batches = data(2)
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1), **grouping)
+    losses, params, step = horovod(tx, batches)
+    want_losses, want_params = one_device(optax.sgd(0.1), batches)
+    close(losses, want_losses, 1e-5)
+    close(params, want_params, 1e-5)
+    init = init_params()
+    compiled = step.lower(init, tx.init(init), batches[0]).compile(
+        compiler_options={"xla_disable_hlo_passes": "cpu-all-reduce-combiner"})
+    found = sorted(c.message_bytes for c in hlo.collectives(compiled, hvd.mesh())
+                   if c.kind == "all-reduce" and c.message_bytes > 4)
+    sizes = {"b1": 32 * 4, "w1": 8 * 32 * 4, "w2": 32 * 4 * 4}  # leaves: b1, w1, w2
+    want = ([sizes["b1"], sizes["w1"] + sizes["w2"]] if "num_groups" in grouping
+            else [sizes["w1"], sizes["b1"] + sizes["w2"]])
+    assert found == sorted(want)
+
+
+def test_bad_groups_are_refused():
+    with pytest.raises(ValueError, match=re.escape(
+            "hvd.DistributedOptimizer: groups names \"['w3']\", which is no parameter path; "
+            "the paths are [\"['b1']\", \"['w1']\", \"['w2']\"].")):
+        tx = hvd.DistributedOptimizer(optax.sgd(0.1), groups=[["['w3']"]])
+        horovod(tx, data(1))
+    with pytest.raises(ValueError, match=re.escape(
+            "hvd.DistributedOptimizer: pass num_groups= or groups=, not both.")):
+        hvd.DistributedOptimizer(optax.sgd(0.1), num_groups=2, groups=[["['w1']"]])

@@ -1,0 +1,76 @@
+"""Uneven first dimensions inside ``@hvd.jit``: padded buffers and the true sizes.
+
+Horovod's ``allgather`` concatenates tensors whose first dimensions differ by rank, and
+``alltoall(tensor, splits)`` sends a different number of rows to each rank; the results'
+shapes depend on the data. Inside one SPMD program every rank has the same static shapes,
+so each rank passes a buffer padded to a common number of rows together with its true
+count, and gets back a padded result with the true counts:
+
+- ``hvd.allgather(buffer, valid_rows=n)`` -> ``(gathered, counts)``: ``gathered`` is
+  ``[size * rows, ...]``, rank ``r``'s block ``r * rows .. r * rows + counts[r]`` holds its
+  valid rows and the rest is zeros;
+- ``hvd.alltoall(buffer, splits=s)`` (``s``: rows for each rank, traced, summing to at most
+  the buffer's rows) -> ``(received, received_splits)``: ``received`` is ``[size * rows, ...]``,
+  block ``j`` holds the ``received_splits[j]`` rows rank ``j`` sent here, then zeros. Each
+  block is as long as the whole buffer (any split may be that long), so the exchange moves
+  ``size`` times the buffer.
+
+Eagerly (process-local values) the shapes may simply differ: no padding needed.
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np, parallax.horovod as hvd
+  >>> @hvd.jit(check_outputs="never")
+  ... def gather(x):
+  ...     n = hvd.rank() % 2 + 1                     # rank r has 1 or 2 valid rows
+  ...     out, counts = hvd.allgather(x, valid_rows=n)
+  ...     return out, counts
+  >>> out, counts = gather(np.ones((16, 1), np.float32))
+  >>> counts.tolist(), float(out.sum())
+  ([1, 2, 1, 2, 1, 2, 1, 2], 12.0)
+
+References:
+  Horovod ``allgather`` (first dimensions may differ) and ``alltoall(splits=)``
+  (horovod/torch/mpi_ops.py); ``MPI_Allgatherv``, ``MPI_Alltoallv``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def _rows_mask(rows: int, count, like):
+    keep = jnp.arange(rows) < count
+    return keep.reshape((rows,) + (1,) * (like.ndim - 1))
+
+
+def allgather_valid(api: str, x, valid_rows, axis_name: str):
+    """``(gathered, counts)``: every rank's first ``valid_rows`` rows, padded with zeros."""
+    if jnp.ndim(x) == 0:
+        raise ValueError(f"{api}: valid_rows= needs a tensor with a first dimension.")
+    count = jnp.asarray(valid_rows, jnp.int32)
+    if count.ndim:
+        raise ValueError(f"{api}: valid_rows must be one number per rank (a scalar), got "
+                         f"shape {count.shape}.")
+    x = jnp.where(_rows_mask(x.shape[0], count, x), x, jnp.zeros_like(x))
+    gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
+    return gathered, lax.all_gather(count, axis_name)
+
+
+def alltoall_splits(api: str, x, splits, axis_name: str):
+    """``(received, received_splits)``: the rows each rank sent here, one padded block each."""
+    n = lax.axis_size(axis_name)
+    splits = jnp.asarray(splits, jnp.int32)
+    if splits.shape != (n,) or jnp.ndim(x) == 0:
+        raise ValueError(f"{api}: splits must hold one count per rank (shape ({n},)), got "
+                         f"shape {splits.shape}, for a tensor with a first dimension.")
+    rows = x.shape[0]
+    starts = jnp.cumsum(splits) - splits
+    index = starts[:, None] + jnp.arange(rows)[None, :]  # [destination, row]
+    chunks = x[jnp.clip(index, 0, rows - 1)]  # [n, rows, ...]
+    keep = (jnp.arange(rows)[None, :] < splits[:, None]) & (index < rows)
+    chunks = jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 1)), chunks,
+                       jnp.zeros_like(chunks))
+    received = lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
+    counts = lax.all_to_all(jnp.minimum(splits, rows)[:, None], axis_name, 0, 0, tiled=True)
+    return received.reshape((n * rows,) + x.shape[1:]), counts.reshape(n)

@@ -9,7 +9,8 @@ the ``E`` experts split over the expert axis (``E / n`` per device), per MoE lay
   (GShard, sec. 2.2 and 3.2);
 - the router statistics averaged over every batch shard: an all-reduce over the batch axes
   of the load ``f_e`` and importance ``P_e`` (``E`` each) and the z-loss (float32), which
-  XLA merges with the gradients' sync;
+  XLA merges with the gradients' sync, and one scalar in the backward (the z-loss's
+  cotangent, the same for every layer: XLA sums it once);
 - gradients: each parameter's summed over the batch axes that replicate it; the experts,
   split over the expert axis, only over the others (``data``, not ``expert``: the
   all-to-alls' transposes already brought every device's tokens to them).
@@ -55,8 +56,9 @@ def router_stats(s: StepSetting, add) -> None:
     moe = s.moe
     if moe is None or not s.batch_axes:
         return
-    add("all-reduce", s.batch_axes, s.config.num_layers * (2 * moe.num_experts + 1) * F32,
-        s.config.num_layers, "router statistics per MoE layer: f_e, P_e [E] and z (float32)")
+    add("all-reduce", s.batch_axes, (s.config.num_layers * (2 * moe.num_experts + 1) + 1) * F32,
+        s.config.num_layers + 1, "router statistics per MoE layer: f_e, P_e [E] and z "
+        "(float32), and in the backward the z-loss's cotangent (one scalar for all layers)")
 
 
 def sum_axes(s: StepSetting, leaf) -> tuple[str, ...]:

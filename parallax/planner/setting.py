@@ -113,7 +113,10 @@ class StepSetting:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.tensor_axis is not None and "sequence" in self.strategy.rule_table
+        # Megatron's sequence parallelism maps "sequence" to the tensor axis (context
+        # parallelism maps it to its own axis: no Megatron all-gathers then).
+        return (self.tensor_axis is not None
+                and self.tensor_axis in as_tuple(self.strategy.rule_table.get("sequence")))
 
     @property
     def context_axis(self) -> str | None:

@@ -50,7 +50,21 @@ def _kv_heads(s: StepSetting) -> int:
 
 
 def kv_bytes(s: StepSetting, itemsize: int | None = None) -> float:
-    """One device's K and V of one layer: ``2 b (T/n) (G/t) K`` elements."""
+    """One device's K and V of one layer: ``2 b (T/n) (G/t) K`` elements, in bytes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, parallax as px
+      >>> from flax import nnx
+      >>> from parallax.planner.setting import read_setting
+      >>> config = px.models.LlamaConfig.tiny(max_seq_len=16)   # 2 kv heads of 16
+      >>> state = jax.eval_shape(lambda: px.TrainState.create(
+      ...     px.models.Llama(config, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+      >>> s = read_setting(px.make_mesh(context=4, devices=jax.devices()[:4]),
+      ...                  px.ContextParallel(), state,
+      ...                  {"tokens": jax.ShapeDtypeStruct((4, 17), jnp.int32)})
+      >>> kv_bytes(s) == 2 * 4 * (16 // 4) * 2 * 16 * 4
+      True
+    """
     c = s.config
     e = itemsize or jnp.dtype(c.dtype).itemsize
     return 2 * s.rows_per_device * s.local_seq_len * _kv_heads(s) / s.tensor * c.head_dim * e
@@ -58,7 +72,23 @@ def kv_bytes(s: StepSetting, itemsize: int | None = None) -> float:
 
 def attention_messages(s: StepSetting, add) -> None:
     """ContextParallel's own messages per step (its ``shard_map`` s), through ``add(kind,
-    axes, bytes, count, how)``; nothing when the step has no context axis or no GPT/Llama."""
+    axes, bytes, count, how)``; nothing when the step has no context axis or no GPT/Llama.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, parallax as px
+      >>> from flax import nnx
+      >>> from parallax.planner.setting import read_setting
+      >>> config = px.models.GPTConfig.tiny(max_seq_len=16)
+      >>> state = jax.eval_shape(lambda: px.TrainState.create(
+      ...     px.models.GPT(config, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+      >>> s = read_setting(px.make_mesh(context=2, devices=jax.devices()[:2]),
+      ...                  px.ContextParallel(method="ring"), state,
+      ...                  {"tokens": jax.ShapeDtypeStruct((4, 17), jnp.int32)})
+      >>> counts = []
+      >>> attention_messages(s, lambda kind, axes, nbytes, n, how: counts.append((kind, n)))
+      >>> counts     # 2 layers x (3n - 2), then the zigzag's way back and its transpose
+      [('collective-permute', 8), ('collective-permute', 2)]
+    """
     axis, c = s.context_axis, s.config
     if axis is None or c is None or s.seq_len is None:
         return

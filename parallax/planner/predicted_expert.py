@@ -41,7 +41,24 @@ def slot_bytes(s: StepSetting) -> float:
 
 
 def exchange_messages(s: StepSetting, add) -> None:
-    """The all-to-alls and router statistics of the MoE layers, through ``add``."""
+    """The all-to-alls and router statistics of the MoE layers, through ``add``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, parallax as px
+      >>> from flax import nnx
+      >>> from parallax.planner.setting import read_setting
+      >>> moe = px.models.MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0)
+      >>> config = px.models.GPTConfig.tiny(max_seq_len=16, moe=moe)
+      >>> state = jax.eval_shape(lambda: px.TrainState.create(
+      ...     px.models.GPT(config, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+      >>> s = read_setting(px.make_mesh(data=2, expert=4), px.compose(
+      ...     px.DataParallel("data"), px.ExpertParallel("expert")), state,
+      ...     {"tokens": jax.ShapeDtypeStruct((16, 17), jnp.int32)})
+      >>> found = {}
+      >>> exchange_messages(s, lambda kind, axes, nbytes, n, how: found.update({kind: nbytes}))
+      >>> found["all-to-all"] == 4 * 2 * slot_bytes(s)   # 4 per layer, 2 layers
+      True
+    """
     axis, moe = s.expert_axis, s.moe
     if axis is None or moe is None or s.seq_len is None:
         return

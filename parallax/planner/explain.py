@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from parallax.analysis import hlo, program
 from parallax.planner import pipeline_memory, roofline
+from parallax.planner import predicted_expert as pe
 from parallax.planner import predicted_memory as pm
 from parallax.planner import predicted_traffic as pt
 from parallax.planner.report import Report, Row
@@ -47,6 +48,23 @@ REASONS = {
     "pipeline buffers": "the pipeline runtime's rings (received activations and gradients, "
                         "stashed residuals: their slots, plus a spare row where a write may "
                         "go nowhere) and accumulators",
+    "context gspmd": "GSPMD, not ContextParallel: a sharding constraint that keeps the "
+                     "sequence whole (tensor-parallel heads, the MLP's hidden, the logits) "
+                     "gathers it over the context axis, and a weight next to a gathered "
+                     "activation (embedding, output layer) gets its gradient whole; the labels' shift "
+                     "moves a few token ids",
+    "context gradients": "GSPMD sums the gradients over the context axis itself: it may "
+                         "gather an activation instead (embedding, output layer: then "
+                         "that gradient is not all-reduced) or sum a leaf in two parts",
+    "context heads": "under tensor parallelism XLA gathers the K/V heads over the tensor "
+                     "axis too inside the all-gather attention (their split is lost at the "
+                     "stacked K, V), so these move t times the formula's bytes",
+    "moe flops": "MoE: the experts compute E C slots per sequence (capacity_factor S k, "
+                 "not S k) and GShard's dispatch and combine einsums are matmuls too; the "
+                 "formula counts the k active experts per token",
+    "ring flops": "ring attention computes (n+1)/2n of the T x T scores (causal zigzag "
+                  "blocks) and its backward recomputes the scores (7 attention matmuls to "
+                  "the formula's 6)",
     "step time": "a roofline is a lower bound: kernels reach a fraction of peak (the MFU), "
                  "dispatch and synchronisation add time; on simulated CPU devices 8 devices "
                  "share the host's cores",
@@ -57,14 +75,31 @@ def _measured_gradients(found, counts, setting: StepSetting) -> float | None:
     """Bytes of gradients a device holds after the sync: the largest total result of the
     reducing collectives over one group of batch axes (scalars left out). None when no
     collective reduces them (one device, or a point-to-point sync's exchanges)."""
-    batch = set(setting.batch_axes)
+    batch = set(setting.batch_axes or (setting.context_axis,))
     groups: dict[tuple, float] = {}
     for c in found:
         if (c.kind in ("all-reduce", "reduce-scatter") and c.axes and set(c.axes) <= batch
                 and c.result_bytes > 8):
             runs = counts.get(c.computation, c.count)
             groups[c.axes] = groups.get(c.axes, 0.0) + runs * (c.result_bytes - 8)
-    return max(groups.values()) if groups else None
+    if not groups:
+        return None
+    # Expert parallelism: the experts' gradients and the rest are summed over different
+    # axes (a device holds both); otherwise each group is the same gradients' sum.
+    return sum(groups.values()) if setting.expert_axis else max(groups.values())
+
+
+def _context_own(found, counts, s: StepSetting) -> dict:
+    """``{(kind, axes): (count, bytes)}`` of ContextParallel's own ``shard_map`` s (its
+    attention and the zigzag's way back, each wrapped in ``jax.checkpoint``)."""
+    own: dict[tuple, list[float]] = {}
+    for c in found:
+        if c.axes == (s.context_axis,) and "checkpoint/shard_map/" in c.op_name:
+            runs = counts.get(c.computation, c.count)
+            entry = own.setdefault((c.kind, c.axes), [0.0, 0.0])
+            entry[0] += runs
+            entry[1] += runs * c.message_bytes
+    return {k: tuple(v) for k, v in own.items()}
 
 
 def _pipeline_temporaries(s: StepSetting, state, batch, stages):
@@ -100,12 +135,20 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
             reason=zero_reason),
         Row(MEMORY, "gradients", predicted["gradients"].value,
             _measured_gradients(found, counts, s), how=predicted["gradients"].how,
-            reason="measured as the synchronised gradients' collectives"),
+            reason="measured as the synchronised gradients' collectives" + (
+                "; GSPMD sums a tied embedding's two parts apart over the context axis"
+                if s.context_axis else "")),
     ]
     args = (predicted["parameters"].value + predicted["optimizer state"].value
             + predicted["other state"].value + s.batch_bytes / max(s.size(s.batch_axes), 1))
     rows.append(Row(MEMORY, "arguments (state + batch)", args, mem.argument_bytes,
                     how="state + the batch's share", reason=zero_reason))
+    if s.expert_axis or s.moe is not None:
+        experts = [(x, n) for x, n in zip(s.leaves, state_bytes) if x.expert]
+        rows.insert(1, Row(MEMORY, "expert weights", pe.expert_weight_bytes(s) if experts
+                           else None, sum(n for _, n in experts) if experts else None,
+                           how=f"Σ experts / EP={s.size(s.expert_axis)}" if experts
+                           else "replicated: no expert axis"))
     act = pm.activation_bytes(s)
     if act is not None:
         rows.append(Row(MEMORY, "activations", act.value, None, how=act.how))
@@ -126,8 +169,16 @@ def _axes_text(axes) -> str:
     return "+".join(axes) if axes else "()"
 
 
-def _traffic_rows(s: StepSetting, measured: dict) -> list[Row]:
-    predicted = pt.collectives(s)
+def _traffic_rows(s: StepSetting, measured: dict, context_own: dict | None = None
+                  ) -> list[Row]:
+    predicted = pt.collectives(s, context_attention=False)
+    measured = dict(measured)
+    for key, (n, size) in (context_own or {}).items():  # shown in their own rows (below)
+        left = (measured[key][0] - n, measured[key][1] - size)
+        if left[1] > 0:
+            measured[key] = left
+        else:
+            measured.pop(key)
     keys = sorted(set(predicted) | {k for k in measured if k[1] is not None},
                   key=lambda k: (k[0], _axes_text(k[1])))
     rows = []
@@ -139,9 +190,22 @@ def _traffic_rows(s: StepSetting, measured: dict) -> list[Row]:
             reason = REASONS["pipeline W"]
         if s.strategy.sync_style == "gspmd" and s.batch_axes and set(axes) & set(s.batch_axes):
             reason = "style='gspmd': XLA's partitioner schedules these (per-layer gathers)"
+        if s.context_axis and axes == (s.context_axis,):
+            reason = REASONS["context gradients" if kind == "all-reduce" else "context gspmd"]
         rows.append(Row(TRAFFIC, f"{kind} over {_axes_text(axes)}",
                         p.message_bytes if p else None, m[1] if m else None,
                         how="; ".join(p.how) if p else "compiled program", reason=reason))
+    if s.context_axis:
+        own, context_own = pt.context_attention_collectives(s), context_own or {}
+        for kind, axes in sorted(set(own) | set(context_own)):
+            p, m = own.get((kind, axes)), context_own.get((kind, axes))
+            rows.append(Row(TRAFFIC, f"{kind} over {_axes_text(axes)} (ContextParallel)",
+                            p.message_bytes if p else None, m[1] if m else None,
+                            how="; ".join(p.how) if p else "compiled program",
+                            reason=REASONS["context heads"] if p and m and kind != "collective-permute"
+                            and s.context_method == "all_gather" and s.tensor > 1 else
+                            "" if p and m else "not in the formulas" if m else
+                            "not in the compiled program"))
     return rows
 
 
@@ -225,12 +289,15 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
     link = roofline.link_for(device, link, setting.backend)
 
     rows = _memory_rows(setting, compiled, state, batch, found, counts, stages)
-    rows += _traffic_rows(setting, measured_traffic)
+    context_own = _context_own(found, counts, setting) if setting.context_axis else None
+    rows += _traffic_rows(setting, measured_traffic, context_own)
     flops = pt.flops(setting)
     measured_flops = program.matmul_flops(text, branches)
+    flops_reason = ("pipeline W" if setting.pipeline else "moe flops" if setting.moe
+                    else "ring flops" if setting.context_method == "ring" else "matmul flops")
     rows.append(Row(COMPUTE, "matmul flops", flops.value if flops else None, measured_flops,
                     unit="flop", how=flops.how if flops else "compiled program",
-                    reason=REASONS["pipeline W" if setting.pipeline else "matmul flops"]))
+                    reason=REASONS[flops_reason]))
     bub = pt.bubble(setting)
     if bub is not None:
         ticks = program.pipeline_ticks(text)
@@ -244,6 +311,9 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
                        measured_traffic, timing_steps, accessed)
     facts = {"strategy": strategy.name, "mesh": describe(mesh), "chip": device.name,
              "link": link.name, "batch": f"{setting.batch_rows} examples"}
+    note = pe.replicated_note(setting, mesh.size)
+    if note:
+        facts["note"] = note
     return Report(f"px.explain: {getattr(step.fn, '__name__', 'step')}", rows, facts)
 
 

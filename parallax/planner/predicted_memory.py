@@ -16,7 +16,9 @@ Each value is an :class:`Estimate` (bytes and the formula in words), computed fr
   parallelism, plus the probabilities of the loss (``s b V / t`` float32); ``b`` is a
   micro-batch's rows per device. A pipeline stage holds the schedule's peak in flight of
   micro-batches for its ``L / p`` layers (only each one's input when it is
-  rematerialised, plus the one being computed).
+  rematerialised, plus the one being computed). Under context parallelism every term is
+  taken at ``T / n`` positions and the scores are not kept
+  (:mod:`parallax.planner.predicted_context`).
 - **temporaries**: activations, the unsynchronised gradients, and under ZeRO 3 in the
   explicit style the gathered parameters (held for the whole step, see docs/design.md).
 
@@ -32,6 +34,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from parallax.planner import predicted_context
 from parallax.planner.setting import StepSetting
 
 _ZERO_FROM = {"param": 3, "grad": 2, "opt": 1}
@@ -98,14 +101,16 @@ def activation_bytes(s: StepSetting) -> Estimate | None:
     c = s.config
     if c is None or s.seq_len is None:
         return None
-    b, t, seq = microbatch_rows(s), s.tensor, s.seq_len
+    b, t, seq = microbatch_rows(s), s.tensor, s.local_seq_len
     sigma = t if s.sequence_parallel else 1
     h, f, a = c.embed_dim, c.mlp_dim, c.num_heads
     e = jnp.dtype(c.dtype).itemsize
-    per_layer = e * (seq * b * h * (2 / sigma + 2 + 4 / t) + 2 * seq * b * f / t
-                     + a * seq * seq * b / t)
+    rest = e * (seq * b * h * (2 / sigma + 2 + 4 / t) + 2 * seq * b * f / t)
+    per_layer = rest + e * a * seq * seq * b / t
     head = 4 * seq * b * c.padded_vocab_size / t + e * seq * b * h
     how = "L (s b h (2/σ + 2 + 4/t) + 2 s b F/t + a s² b/t) + s b V/t"
+    if s.context_axis is not None:  # pipelines with context parallelism are refused
+        return Estimate(*predicted_context.activation_bytes(s, rest, head))
     if s.pipeline is None:
         return Estimate(c.num_layers * per_layer + head, how)
     p = s.pipeline
@@ -129,4 +134,8 @@ def temporary_bytes(s: StepSetting) -> Estimate | None:
     grads = local_param_bytes(s)
     gathered = grads if s.zero_stage == 3 and s.strategy.sync_style == "explicit" else 0.0
     how = "activations + local gradients" + (" + gathered parameters" if gathered else "")
-    return Estimate(act.value + grads + gathered, how)
+    working = 0.0
+    if s.context_axis is not None:
+        working, what = predicted_context.working_set_bytes(s)
+        how += f" + {what}"
+    return Estimate(act.value + grads + gathered + working, how)

@@ -16,6 +16,14 @@ Megatron (``t`` ways)        ``parallax.analysis.tensor_traffic.megatron_traffic
                              tensor axis (``(4L + 2)`` all-reduces of ``[B, T, D]``; with SP
                              all-gather / reduce-scatter pairs); on average over a pipeline's
                              stages, its ``L / p`` layers, plus the forwards recomputed
+context (``n`` ways)         :mod:`parallax.planner.predicted_context`: the ring's
+                             ``3n - 2`` collective-permutes of K/V per layer, or the
+                             all-gather's K/V gathers and dK/dV reduce-scatter; GSPMD's
+                             all-reduce of ``Ψ`` over the context axis; Megatron's and
+                             the activations' ``T`` read as ``T / n``
+expert (``n`` ways)          :mod:`parallax.planner.predicted_expert`: 4 all-to-alls of
+                             ``G E C D`` per MoE layer; the experts' gradients summed
+                             only over the batch axes that replicate them
 pipeline (``p`` stages)      each tick's payload, a micro-batch's ``[b, T, D]``, to both
                              neighbours (one collective-permute when ``p = 2``);
                              an all-reduce over the stages of the unstacked parameters'
@@ -41,6 +49,7 @@ import jax.numpy as jnp
 
 from parallax.planner.predicted_memory import (Estimate, activation_bytes, local_param_bytes,
                                                microbatch_rows, state_bytes)
+from parallax.planner import predicted_context, predicted_expert
 from parallax.planner.setting import StepSetting
 from parallax.analysis.tensor_traffic import megatron_traffic
 from parallax.comm import cost
@@ -76,8 +85,12 @@ def _ordered(axes) -> tuple[str, ...]:
     return tuple(a for a in AXIS_ORDER if a in axes)
 
 
-def collectives(s: StepSetting) -> dict[tuple[str, tuple[str, ...]], PredictedCollective]:
+def collectives(s: StepSetting, context_attention: bool = True
+                ) -> dict[tuple[str, tuple[str, ...]], PredictedCollective]:
     """``{(kind, axes): PredictedCollective}`` predicted for one step (see the module docstring).
+
+    ``context_attention=False`` leaves out context parallelism's own attention messages
+    (:func:`context_attention_collectives` has them).
 
     Example:
       >>> import jax.numpy as jnp, parallax as px
@@ -96,12 +109,30 @@ def collectives(s: StepSetting) -> dict[tuple[str, tuple[str, ...]], PredictedCo
     _data_parallel(s, add)
     _tensor_parallel(s, add)
     _pipeline(s, add)
+    if context_attention:
+        predicted_context.attention_messages(s, add)
+    predicted_context.gradient_sum(s, add)
+    predicted_expert.exchange_messages(s, add)
     return {key: t for key, t in out.items() if t.message_bytes > 0}
+
+
+def context_attention_collectives(s: StepSetting) -> dict[tuple, PredictedCollective]:
+    """Context parallelism's own messages (its attention and the zigzag's way back), keyed
+    like :func:`collectives` (:mod:`parallax.planner.predicted_context`)."""
+    out: dict[tuple, PredictedCollective] = {}
+
+    def add(kind, axes, nbytes, count, how):
+        out.setdefault((kind, _ordered(axes)), PredictedCollective()).add(nbytes, count, how)
+
+    predicted_context.attention_messages(s, add)
+    return out
 
 
 def _gradient_sum(s: StepSetting, add, axes, nbytes: float, how: str) -> None:
     """The sum of one gradient over ``axes``: XLA's all-reduce, or the point-to-point
     messages of a sync like ``px.BucketedSync(algorithm="tree" | "ring" | "auto")``."""
+    if not axes:
+        return
     algorithm = getattr(s.strategy.grad_sync, "algorithm", "xla")
     if algorithm == "xla" or not getattr(s.strategy.grad_sync, "varying_results", False):
         add("all-reduce", axes, nbytes, 0, how)
@@ -126,6 +157,10 @@ def _data_parallel(s: StepSetting, add) -> None:
     rest = tuple(a for a in batch if a != z)
     for leaf in (x for x in s.leaves if x.role == "param"):
         psi = leaf.nbytes / leaf.rule_ways
+        if leaf.expert:  # split over the expert axis: summed over the other batch axes
+            _gradient_sum(s, add, predicted_expert.sum_axes(s, leaf), psi,
+                          "experts: all-reduce Ψ_e / EP over the batch axes that replicate them")
+            continue
         if not (stage and leaf.zero_split):  # ZeRO keeps a leaf with no divisible dim whole
             _gradient_sum(s, add, batch, psi, "data parallel: all-reduce Ψ")
             continue
@@ -144,7 +179,7 @@ def _data_parallel(s: StepSetting, add) -> None:
 
 def _megatron(s: StepSetting, layers: int):
     c = dataclasses.replace(s.config, num_layers=layers)
-    return megatron_traffic(c, s.batch_rows // s.size(s.batch_axes), s.seq_len,
+    return megatron_traffic(c, s.batch_rows // s.size(s.batch_axes), s.local_seq_len,
                             sequence_parallel=s.sequence_parallel)
 
 
@@ -227,10 +262,13 @@ def flops(s: StepSetting) -> Estimate | None:
     if c is None or s.seq_len is None:
         return None
     tokens = s.batch_rows * s.seq_len
-    ways = s.size(s.batch_axes) * s.tensor * s.stages
+    ways = s.size(s.batch_axes) * s.tensor * s.stages * s.context
     count, per_token = _arithmetic(c)
     total = per_token(c, s.seq_len) * tokens
-    how = "(6 N + 12 L T D) x tokens / devices"
+    how = "(6 N + 12 L T D) x tokens / devices" + (
+        f" (N active: top-{c.moe.top_k} of {c.moe.num_experts} experts"
+        + (" + the shared expert" if c.moe.shared_mlp_dim else "") + ")"
+        if getattr(c, "moe", None) is not None else "")
     p = s.pipeline
     if p is not None and p.remat_fraction:
         block = (count(dataclasses.replace(c, num_layers=2))

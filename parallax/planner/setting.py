@@ -6,7 +6,9 @@ the sizes of the data, ZeRO, tensor and pipeline parts, every state leaf with it
 the batch's leaves, and the model's configuration when it is ``px.models.GPT`` (or
 ``px.nn.ParallelGPT``) or ``px.models.Llama`` (whose sizes the GPT's activation and
 Megatron formulas read as they are: SwiGLU's third matrix and GQA's smaller k/v are not in
-them). ``parallax.analysis.predict`` computes the formulas from it.
+them), and the context-parallel and expert axes when the strategy has them.
+:mod:`parallax.planner.predicted_memory`, ``predicted_traffic``, ``predicted_context`` and
+``predicted_expert`` compute the formulas from it.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class Leaf:
     rule_ways: int
     stacked: bool
     zero_split: bool
+    axes: tuple[str, ...] = ()  # the mesh axes the rules split it over (ZeRO's left out)
+    expert: bool = False  # an MoE layer's stacked experts (logical axis "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +115,41 @@ class StepSetting:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.tensor_axis is not None and "sequence" in self.strategy.rule_table
+        # Megatron's sequence parallelism maps "sequence" to the tensor axis (context
+        # parallelism maps it to its own axis: no Megatron all-gathers then).
+        return (self.tensor_axis is not None
+                and self.tensor_axis in as_tuple(self.strategy.rule_table.get("sequence")))
+
+    @property
+    def context_axis(self) -> str | None:
+        """``px.ContextParallel``'s axis when it has more than one device (else None)."""
+        split = self.strategy.sequence_split
+        axis = getattr(split, "axis", None)
+        return axis if axis and self.mesh_shape.get(axis, 1) > 1 else None
+
+    @property
+    def context(self) -> int:
+        return self.size(self.context_axis) if self.context_axis else 1
+
+    @property
+    def context_method(self) -> str | None:
+        return self.strategy.sequence_split.method if self.context_axis else None
+
+    @property
+    def expert_axis(self) -> str | None:
+        """``px.ExpertParallel``'s axis when it has more than one device (else None)."""
+        axis = getattr(self.strategy.experts, "axis", None)
+        return axis if axis and self.mesh_shape.get(axis, 1) > 1 else None
+
+    @property
+    def moe(self):
+        """The model's ``MoEConfig`` (a GPT with MoE blocks), else None."""
+        return getattr(self.config, "moe", None)
+
+    @property
+    def local_seq_len(self) -> int | None:
+        """Positions of a sequence on one device (``T / CP``)."""
+        return None if self.seq_len is None else self.seq_len // self.context
 
     @property
     def stages(self) -> int:
@@ -185,6 +223,7 @@ def read_setting(mesh, strategy: Strategy, state, batch, config: GPTConfig | Non
     lay = layout.state_layout(state, strategy, mesh, api)
     zero_axis = strategy.shard_axis
     layers_axis = next((as_tuple(a)[0] for name, a in strategy.rules if name == LAYERS), None)
+    expert_axis = getattr(strategy.experts, "axis", None)
     leaves = []
     paths = jax.tree_util.tree_flatten_with_path(state)[0]
     params = iter(lay.params)
@@ -194,11 +233,14 @@ def read_setting(mesh, strategy: Strategy, state, batch, config: GPTConfig | Non
         # ZeRO can split it at all (the same dimension serves gradients and moments).
         zero_split = (next(params).shard_dim is not None if role == "param"
                       else zero_axis in axes)
-        rule_ways = math.prod(shape[a] for a in axes if a != zero_axis)
+        split = tuple(a for a in axes if a != zero_axis)
+        rule_ways = math.prod(shape[a] for a in split)
         itemsize = jnp.dtype(leaf.dtype).itemsize
         nbytes = math.prod(leaf.shape) * itemsize
         leaves.append(Leaf(jax.tree_util.keystr(path), role, nbytes, itemsize, rule_ways,
-                           layers_axis is not None and layers_axis in axes, zero_split))
+                           layers_axis is not None and layers_axis in axes, zero_split,
+                           split, role == "param" and expert_axis is not None
+                           and expert_axis in axes))
     batch_leaves = jax.tree.leaves(batch)
     rows = int(batch_leaves[0].shape[0]) if batch_leaves and batch_leaves[0].ndim else 0
     tokens = batch.get("tokens") if isinstance(batch, dict) else None

@@ -1,0 +1,98 @@
+"""Predicted messages and memory of expert parallelism (``px.ExpertParallel``) and MoE.
+
+An MoE block (``GPTConfig(moe=...)``) turns each of a device's ``G`` sequences into
+``[E, C]`` slots of width ``D`` (``C`` the capacity per sequence, ``S`` when dropless). With
+the ``E`` experts split over the expert axis (``E / n`` per device), per MoE layer and step:
+
+- forward: two all-to-alls over the expert axis (dispatch and combine), each of the
+  device's ``G E C D`` slots (the model's dtype); backward: the same two, transposed
+  (GShard, sec. 2.2 and 3.2);
+- the router statistics averaged over every batch shard: an all-reduce over the batch axes
+  of the load ``f_e`` and importance ``P_e`` (``E`` each) and the z-loss (float32), which
+  XLA merges with the gradients' sync, and one scalar in the backward (the z-loss's
+  cotangent, the same for every layer: XLA sums it once);
+- gradients: each parameter's summed over the batch axes that replicate it; the experts,
+  split over the expert axis, only over the others (``data``, not ``expert``: the
+  all-to-alls' transposes already brought every device's tokens to them).
+
+The experts' weights take ``1 / n`` of their bytes per device. Without an expert axis the
+layer runs replicated: every device holds and runs all ``E`` experts on its own tokens.
+
+References:
+  Lepikhin et al., "GShard", 2020; Fedus et al., "Switch Transformers", 2021;
+  Rajbhandari et al., "DeepSpeed-MoE", 2022.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from parallax.planner.setting import StepSetting
+
+F32 = 4
+
+
+def slot_bytes(s: StepSetting) -> float:
+    """One device's ``[G, E, C, D]`` slots of one MoE layer."""
+    c, moe = s.config, s.moe
+    capacity = moe.capacity(s.seq_len)
+    return (s.rows_per_device * moe.num_experts * capacity * c.embed_dim
+            * jnp.dtype(c.dtype).itemsize)
+
+
+def exchange_messages(s: StepSetting, add) -> None:
+    """The all-to-alls and router statistics of the MoE layers, through ``add``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, parallax as px
+      >>> from flax import nnx
+      >>> from parallax.planner.setting import read_setting
+      >>> moe = px.models.MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0)
+      >>> config = px.models.GPTConfig.tiny(max_seq_len=16, moe=moe)
+      >>> state = jax.eval_shape(lambda: px.TrainState.create(
+      ...     px.models.GPT(config, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+      >>> s = read_setting(px.make_mesh(data=2, expert=4), px.compose(
+      ...     px.DataParallel("data"), px.ExpertParallel("expert")), state,
+      ...     {"tokens": jax.ShapeDtypeStruct((16, 17), jnp.int32)})
+      >>> found = {}
+      >>> exchange_messages(s, lambda kind, axes, nbytes, n, how: found.update({kind: nbytes}))
+      >>> found["all-to-all"] == 4 * 2 * slot_bytes(s)   # 4 per layer, 2 layers
+      True
+    """
+    axis, moe = s.expert_axis, s.moe
+    if axis is None or moe is None or s.seq_len is None:
+        return
+    layers = s.config.num_layers
+    add("all-to-all", (axis,), 4 * layers * slot_bytes(s), 4 * layers,
+        "GShard: per MoE layer 2 all-to-alls forward, 2 backward, of G E C D")
+    router_stats(s, add)
+
+
+def router_stats(s: StepSetting, add) -> None:
+    """The router's load and importance ``[E]`` and z-loss averaged over the batch shards."""
+    moe = s.moe
+    if moe is None or not s.batch_axes:
+        return
+    add("all-reduce", s.batch_axes, (s.config.num_layers * (2 * moe.num_experts + 1) + 1) * F32,
+        s.config.num_layers + 1, "router statistics per MoE layer: f_e, P_e [E] and z "
+        "(float32), and in the backward the z-loss's cotangent (one scalar for all layers)")
+
+
+def sum_axes(s: StepSetting, leaf) -> tuple[str, ...]:
+    """The batch axes a parameter's gradient is summed over: those that do not split it."""
+    return tuple(a for a in s.batch_axes if a not in leaf.axes)
+
+
+def expert_weight_bytes(s: StepSetting) -> float:
+    """The experts' weights one device holds (``1 / n`` of them over the expert axis)."""
+    return sum(x.nbytes / x.rule_ways for x in s.leaves if x.expert)
+
+
+def replicated_note(s: StepSetting, devices: int) -> str | None:
+    """The report's note when an MoE model runs with no expert axis, else None."""
+    moe = s.moe
+    if moe is None or s.expert_axis is not None or devices < 2:
+        return None
+    return (f"MoE without an expert axis: all {moe.num_experts} experts are replicated on "
+            f"each of the {devices} devices (no expert parallelism, no all-to-all); compose "
+            "px.ExpertParallel('expert') with a mesh axis expert=N to split them")

@@ -124,7 +124,8 @@ class Monitor:
 
         This compiles ``step`` here: a ``px.train_step``'s ``lower`` builds its own
         ``jax.jit``, so its first call compiles once more. Where a model formula gives the
-        FLOPs (``px.models.flops_per_token``), ``Monitor(Throughput(...))`` compiles nothing.
+        FLOPs (``px.models.flops_per_token``), ``Monitor(items_per_step=..., flops_per_step=...)``
+        compiles nothing.
         """
         return cls.for_compiled(step.lower(*args).compile(), items_per_step=items_per_step,
                                 flops_per_step=flops_per_step, meter_options=meter_options,

@@ -9,7 +9,9 @@ layer's matrices are split over the tensor axis, and each replica sees half the 
 it is one ``px.compose``; the model is the plain ``px.models.GPT``, its loss split into
 pipeline pieces by ``px.models.next_token_stages``. The script prints what ``px.explain``
 predicts and what the compiled step really holds and sends, trains on the text shipped with
-parallax, and compares the loss curve with the same steps on one device. The mesh fits the
+parallax (tokens/s per device, MFU and memory in the progress bar, ``px.metrics``' table at
+the end; ``--logdir`` and ``--profile-steps`` as for ``parallax demo``), and compares the loss
+curve with the same steps on one device. The mesh fits the
 devices present (one GPU: every axis 1); without an accelerator it simulates 8 CPU devices.
 """
 
@@ -34,7 +36,9 @@ def main(argv=None) -> int:
                         choices=["gpipe", "1f1b", "interleaved_1f1b"])
     parser.add_argument("--microbatches", type=int, default=2, help="per data-parallel slice")
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
+    from parallax.metrics import add_arguments
+
+    args = add_arguments(parser).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -70,11 +74,16 @@ def main(argv=None) -> int:
 
     state = px.init(make_state, mesh, strategy)  # created sharded: no device holds it whole
     losses = []
-    for i, batch in enumerate(data):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-        if i % 5 == 0 or i == len(data) - 1:
-            print(f"step {i:3d}  loss {losses[-1]:.4f}")
+    tokens = args.batch * config.max_seq_len  # MFU from the model's FLOPs (PaLM's formula)
+    with px.metrics.Monitor(items_per_step=tokens,
+                            flops_per_step=px.models.flops_per_token(config) * tokens,
+                            logdir=args.logdir, profile_steps=args.profile_steps,
+                            description=px.mesh.describe(mesh)) as monitor:
+        for batch in monitor.loop(data):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+            monitor.step(metrics, loss=losses[-1])
+    print(monitor.table())
 
     reference = px.testing.train(make_state, px.models.next_token_loss, data).losses
     gap = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))

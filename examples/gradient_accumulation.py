@@ -8,8 +8,9 @@ micro-batches and sums their gradients in a ``lax.scan`` (GPipe's accumulation),
 activations of only one micro-batch are alive at a time, and the optimizer still sees the
 full batch's gradient. The script compiles a data-parallel GPT step without accumulation
 and with ``--microbatches`` and prints the temporaries each device needs (from the compiled
-programs), then trains with ``--microbatches`` and checks the loss curve against the full
-batch on one device.
+programs), then trains with ``--microbatches`` (throughput, MFU and memory in the progress bar and a
+table at the end; ``--logdir`` and ``--profile-steps`` as for ``parallax demo``) and checks
+the loss curve against the full batch on one device.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     parser.add_argument("--microbatches", type=int, default=4)
-    args = parser.parse_args(argv)
+    from parallax.metrics import add_arguments
+
+    args = add_arguments(parser).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -66,9 +69,16 @@ def main(argv=None) -> int:
     strategy, step = step_for(args.microbatches)
     state = px.init(make_state, mesh, strategy)
     losses = []
-    for batch in data:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    tokens = args.batch * config.max_seq_len
+    with px.metrics.Monitor(items_per_step=tokens,
+                            flops_per_step=px.models.flops_per_token(config) * tokens,
+                            logdir=args.logdir, profile_steps=args.profile_steps,
+                            description=strategy.name) as monitor:
+        for batch in monitor.loop(data):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+            monitor.step(metrics, loss=losses[-1])
+    print(monitor.table())
     reference = px.testing.train(make_state, px.models.next_token_loss, data).losses
     gap = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
     print(f"\n{strategy.name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; largest relative "

@@ -8,7 +8,9 @@
 The shape of every Horovod script: ``hvd.init()``; each rank starts from its own random
 parameters (seeded by its rank, to show the broadcast), ``hvd.broadcast_parameters`` makes
 them rank 0's; ``hvd.DistributedOptimizer`` wraps the optimizer; each rank reads only its
-shard of the data (``rows[rank::size]`` in Horovod, a contiguous block here); rank 0 logs.
+shard of the data (``rows[rank::size]`` in Horovod, a contiguous block here); rank 0 logs
+(a progress bar with examples/s per device, MFU and memory, a table at the end, ``--logdir``
+and ``--profile-steps`` as for ``parallax demo``).
 The step is written for one rank and run by ``@hvd.jit`` over every device of every process.
 The data are synthetic (a noisy linear teacher), so nothing is downloaded. ``--check`` runs
 the same steps as one plain ``jax.jit`` program on the full batches and compares.
@@ -82,7 +84,9 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="compare with one process")
     parser.add_argument("--algorithm", default="xla", choices=["xla", "tree", "ring", "auto"],
                         help="how the optimizer sums gradient buckets")
-    args = parser.parse_args(argv)
+    from parallax.metrics import add_arguments
+
+    args = add_arguments(parser).parse_args(argv)
     if "PARALLAX_NUM_PROCESSES" not in os.environ:
         from parallax.cli import simulate_cpu_devices
 
@@ -111,13 +115,19 @@ def main(argv=None) -> int:
         return optax.apply_updates(params, updates), opt_state, hvd.allreduce(loss)
 
     losses = []
-    for i, batch in enumerate(data):
-        mine = {k: v[rows] for k, v in batch.items()}
-        params, opt_state, loss = step(params, opt_state, mine)
-        losses.append(float(loss))
-        if hvd.rank() == 0 and (i % 5 == 0 or i == len(data) - 1):
-            print(f"step {i:3d}  loss {losses[-1]:.5f}  ({hvd.size()} ranks, "
-                  f"{jax.device_count()} devices)", flush=True)
+    matmul_params = sum(w.size for name, w in params.items() if name.startswith("w"))
+    with px.metrics.Monitor(items_per_step=args.batch, unit="ex",  # bar and log: rank 0
+                            flops_per_step=6 * matmul_params * args.batch,
+                            logdir=args.logdir, profile_steps=args.profile_steps,
+                            description=f"{hvd.size()} ranks, {jax.device_count()} devices"
+                            ) as monitor:
+        for batch in monitor.loop(data):
+            mine = {k: v[rows] for k, v in batch.items()}
+            params, opt_state, loss = step(params, opt_state, mine)
+            losses.append(float(loss))
+            monitor.step(loss, loss=losses[-1])
+    if hvd.rank() == 0:
+        print(monitor.table(), flush=True)
     if not args.check:
         return 0
     ref_losses, ref_params = one_process(data, optax.adam(args.lr), init_params(seed=0))

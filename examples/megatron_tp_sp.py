@@ -11,7 +11,9 @@ all-gather of the same bytes. This script builds the same GPT twice: ``px.models
 ``px.TensorParallel`` (GSPMD: XLA inserts the collectives) and ``px.nn.ParallelGPT`` with
 Megatron's explicit ``f``/``g`` operators; reads what each compiled step sends over the
 tensor axis next to the papers' formula; trains both for ``--steps`` with data parallelism
-on the remaining devices; and compares their loss curves with one device.
+on the remaining devices (throughput, MFU and memory in the progress bar, a table after each;
+``--logdir DIR`` logs to ``DIR/GPT`` and ``DIR/ParallelGPT``); and compares their loss curves
+with one device.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--tensor", type=int, default=2, help="tensor-parallel size")
     parser.add_argument("--no-sequence-parallel", dest="sp", action="store_false")
-    args = parser.parse_args(argv)
+    from parallax.metrics import add_arguments
+
+    args = add_arguments(parser).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -86,9 +90,15 @@ def main(argv=None) -> int:
         print("  per layer: " + ", ".join(f"{c.collective.kind} ({c.phase})"
                                           for c in per_layer))
         losses = []
-        for batch in data:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+        with px.metrics.Monitor.for_compiled(
+                compiled, items_per_step=args.batch * config.max_seq_len, description=name,
+                logdir=args.logdir and f"{args.logdir}/{model_cls.__name__}",
+                profile_steps=args.profile_steps) as monitor:
+            for batch in monitor.loop(data):
+                state, metrics = step(state, batch)
+                losses.append(float(metrics["loss"]))
+                monitor.step(metrics, loss=losses[-1])
+        print(monitor.table())
         gap = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
         worst = max(worst, gap)
         print(f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}; vs one device {gap:.1e} (relative)")

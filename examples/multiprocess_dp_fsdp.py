@@ -14,7 +14,9 @@ install grain``) or a plain Python iterator over ``px.distributed.process_slice`
 set; both give each process the same rows. Each process passes its share to the step, which
 assembles the global batch from the processes' shares (as ``px.distributed.global_batch``
 does explicitly), and at the end every process compares its loss curve
-with the same steps run as one plain ``jax.jit`` program on the full batches.
+with the same steps run as one plain ``jax.jit`` program on the full batches. Process 0 shows
+examples/s per device, MFU and memory in a progress bar and a table at the end, and writes
+``--logdir``; ``--profile-steps`` traces on every process.
 
 ``--strategy dp-tree`` sums the gradients by point-to-point exchanges
 (``px.BucketedSync(algorithm="tree")``) instead of XLA's all-reduce: across CPU processes,
@@ -90,7 +92,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32, help="global batch (all processes)")
     parser.add_argument("--loader", choices=["auto", "grain", "plain"], default="auto")
-    args = parser.parse_args(argv)
+    from parallax.metrics import add_arguments
+
+    args = add_arguments(parser).parse_args(argv)
     if "PARALLAX_NUM_PROCESSES" not in os.environ:
         from parallax.cli import simulate_cpu_devices
 
@@ -126,11 +130,17 @@ def main(argv=None) -> int:
     loader = (grain_loader(data, args.batch, args.steps) if use_grain
               else plain_loader(data, args.batch, args.steps))
     losses = []
-    for i, mine in enumerate(loader):
-        state, metrics = step(state, mine)  # each process passes its own rows
-        losses.append(float(metrics["loss"]))
-        if px.distributed.is_chief() and i % 5 == 0:
-            print(f"step {i:3d}  loss {losses[-1]:.5f}", flush=True)
+    matmul_params = FEATURES * 64 + 64 * 64 + 64 * OUT
+    with px.metrics.Monitor(items_per_step=args.batch, unit="ex",  # bar and log: process 0
+                            flops_per_step=6 * matmul_params * args.batch,
+                            logdir=args.logdir, profile_steps=args.profile_steps,
+                            description=f"{args.strategy} on {dict(mesh.shape)}") as monitor:
+        for mine in monitor.loop(loader, total=args.steps):
+            state, metrics = step(state, mine)  # each process passes its own rows
+            losses.append(float(metrics["loss"]))
+            monitor.step(metrics, loss=losses[-1])
+    if px.distributed.is_chief():
+        print(monitor.table(), flush=True)
     ref = _one_device(make_state, global_batches(data, args.batch, args.steps,
                                                  jax.process_count()))
     gap = px.testing.relative_difference(np.asarray(losses), np.asarray(ref))

@@ -8,7 +8,9 @@ costs before anything runs. The script draws GPipe, 1F1B (PipeDream-flush) and M
 interleaved 1F1B for ``--stages`` and ``--microbatches`` (ASCII, and PNG Gantt charts in
 ``--plot-dir`` when matplotlib is installed), puts their bubble and peak activations in
 flight side by side, then trains a GPT with ``px.Pipeline`` under 1F1B and interleaved 1F1B
-(data parallel over the remaining devices) and checks each loss curve against one device.
+(data parallel over the remaining devices; throughput, MFU and memory in the progress bar,
+a table after each; ``--logdir DIR`` logs to ``DIR/<schedule>``) and checks each loss curve
+against one device.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--plot-dir", default=None, help="save Gantt charts (PNG) here")
-    args = parser.parse_args(argv)
+    from parallax.metrics import add_arguments
+
+    args = add_arguments(parser).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -90,9 +94,16 @@ def main(argv=None) -> int:
 
         state = px.init(make_state, mesh, strategy)
         losses = []
-        for batch in data:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+        tokens = args.batch * config.max_seq_len
+        with px.metrics.Monitor(items_per_step=tokens,
+                                flops_per_step=px.models.flops_per_token(config) * tokens,
+                                logdir=args.logdir and f"{args.logdir}/{name}",
+                                profile_steps=args.profile_steps, description=name) as monitor:
+            for batch in monitor.loop(data):
+                state, metrics = step(state, batch)
+                losses.append(float(metrics["loss"]))
+                monitor.step(metrics, loss=losses[-1])
+        print(monitor.table())
         gap = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
         worst = max(worst, gap)
         print(f"\n{strategy.name} on {px.mesh.describe(mesh)}\n  loss {losses[0]:.4f} -> "

@@ -9,7 +9,9 @@ A GPT tiny trains on the text shipped with parallax. Every ``--save-every`` step
 besides it (``extra``): the data sampler's position (a NumPy generator's state) and the loss
 curve. A new run with the same ``--checkpoint-dir`` restores the newest step straight into
 the layout of its own ``--strategy`` (which may differ from the one that saved), draws the
-same batches from there on, and so continues the original run. Without an accelerator it
+same batches from there on, and so continues the original run. The progress bar shows
+tokens/s per device, MFU and memory, a table sums them up at the end, and ``--logdir`` and
+``--profile-steps`` work as for ``parallax demo``. Without an accelerator it
 simulates 8 CPU devices.
 """
 
@@ -21,6 +23,7 @@ import os
 import tempfile
 
 from parallax.cli import simulate_cpu_devices
+from parallax.metrics import add_arguments as px_metrics_arguments
 
 
 class TextSampler:
@@ -53,7 +56,7 @@ def main(argv=None) -> list[float]:
     parser.add_argument("--stop-after", type=int, default=None,
                         help="stop after this step without a final save, as a crash would")
     parser.add_argument("--batch", type=int, default=16)
-    args = parser.parse_args(argv)
+    args = px_metrics_arguments(parser).parse_args(argv)
     print(simulate_cpu_devices(8))
 
     import jax
@@ -92,16 +95,27 @@ def main(argv=None) -> list[float]:
         def extra():  # what the run needs besides the state, as JSON values
             return {"losses": losses, "sampler": sampler.state(), "strategy": args.strategy}
 
-        for i in range(int(state.step), args.steps):
-            state, metrics = step(state, sampler.next())
-            losses.append(float(metrics["loss"]))
-            manager.save(i + 1, state, extra())  # only every --save-every steps
-            if (i + 1) % 10 == 0 or i + 1 == args.steps:
-                print(f"step {i + 1:4d}  loss {losses[-1]:.4f}")
-            if args.stop_after is not None and i + 1 >= args.stop_after:
-                print(f"stopping after step {i + 1} (the newest checkpoint is step "
-                      f"{manager.latest_step()})")
-                return losses
+        tokens = args.batch * config.max_seq_len
+        monitor = px.metrics.Monitor(
+            items_per_step=tokens, flops_per_step=px.models.flops_per_token(config) * tokens,
+            logdir=args.logdir, profile_steps=args.profile_steps, first_step=len(losses) + 1,
+            description=f"{args.strategy} on {px.mesh.describe(mesh)}")
+        stopped = False
+        with monitor:  # a resumed run appends to --logdir's metrics.jsonl from its next step
+            for i in monitor.loop(range(int(state.step), args.steps)):
+                state, metrics = step(state, sampler.next())
+                losses.append(float(metrics["loss"]))
+                monitor.step(metrics, loss=losses[-1])
+                manager.save(i + 1, state, extra())  # only every --save-every steps
+                stopped = args.stop_after is not None and i + 1 >= args.stop_after
+                if stopped:
+                    break
+        if monitor.meter.history:
+            print(monitor.table())
+        if stopped:
+            print(f"stopping after step {len(losses)} (the newest checkpoint is step "
+                  f"{manager.latest_step()})")
+            return losses
         if manager.latest_step() != len(losses):
             manager.save(len(losses), state, extra(), force=True)
     print(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")

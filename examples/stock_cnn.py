@@ -13,13 +13,22 @@ the Dropout masks are the ones one device draws, so the script checks the run ag
 same steps as a plain ``nnx`` loop on one device: losses, parameters and running
 statistics. ``--batch-stats per_replica`` (DDP's statistics) and ``--rng per_shard``
 (independent dropout streams) show the opt-in modes, which are not one device's numbers.
-Without an accelerator it simulates 8 CPU devices.
+The progress bar shows examples/s per device, MFU and memory (``px.metrics``), a table sums
+them up, and ``--logdir`` and ``--profile-steps`` work as for ``parallax demo``. Without an
+accelerator it simulates 8 CPU devices.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+def cnn_flops_per_image(height: int, width: int, channels: int = 16, classes: int = 10) -> int:
+    """Training FLOPs of one image through ``CNN`` below: its two 3x3 convolutions (padding
+    SAME) and the head, 2 per multiply-add, times 3 for forward and backward (PaLM's count)."""
+    macs = height * width * 9 * (3 * channels + channels * channels) + channels * classes
+    return 6 * macs
 
 
 def main(argv=None) -> int:
@@ -30,7 +39,9 @@ def main(argv=None) -> int:
                         choices=["global", "per_replica", "per_microbatch"])
     parser.add_argument("--rng", default="global", choices=["global", "per_shard"])
     parser.add_argument("--microbatches", type=int, default=None)
-    args = parser.parse_args(argv)
+    from parallax.metrics import add_arguments
+
+    args = add_arguments(parser).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -94,11 +105,19 @@ def main(argv=None) -> int:
 
     print(f"mesh {dict(mesh.shape)}, {strategy.name}, batch_stats={args.batch_stats!r}, "
           f"rng={args.rng!r}")
+    losses = []
+    with px.metrics.Monitor(items_per_step=args.batch, unit="ex",
+                            flops_per_step=cnn_flops_per_image(16, 16) * args.batch,
+                            logdir=args.logdir, profile_steps=args.profile_steps,
+                            description=strategy.name) as monitor:
+        for batch in monitor.loop(batches):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+            monitor.step(metrics, loss=losses[-1])
+    print(monitor.table())
     worst = 0.0
-    for i, batch in enumerate(batches):
-        state, metrics = step(state, batch)
+    for i, (batch, loss) in enumerate(zip(batches, losses)):
         ref = float(reference_step(model, optimizer, batch))
-        loss = float(metrics["loss"])
         worst = max(worst, abs(loss - ref) / abs(ref))
         print(f"step {i:3d}  loss {loss:.6f}  one device {ref:.6f}")
     params = px.testing.relative_difference(jax.device_get(state.params),

@@ -9,7 +9,9 @@ GPT whose training state is larger than ``--memory-per-device`` (a budget: 48 MB
 simulated CPU device by default, the device's own limit on a GPU or TPU), shows per device
 what data parallelism and ZeRO stages 1, 2 and 3 would hold (the ZeRO paper's formulas, and
 the compiled programs' own peak for DP and FSDP), then trains it with FSDP (ZeRO 3), the
-state created already sharded by ``px.init``: no device ever holds it whole.
+state created already sharded by ``px.init``: no device ever holds it whole (throughput, MFU
+and memory in the progress bar and a table at the end; ``--logdir`` and ``--profile-steps``
+as for ``parallax demo``).
 
 FSDP runs in the ``"gspmd"`` style here: XLA gathers each layer's parameters inside the
 layer loop, as PyTorch FSDP does, so the step's peak holds one layer's full parameters at a
@@ -32,7 +34,9 @@ def main(argv=None) -> int:
     parser.add_argument("--embed", type=int, default=256)
     parser.add_argument("--memory-per-device", type=float, default=None,
                         help="bytes per device (default: 48e6 on CPU, the device's limit else)")
-    args = parser.parse_args(argv)
+    from parallax.metrics import add_arguments
+
+    args = add_arguments(parser).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -96,9 +100,15 @@ def main(argv=None) -> int:
     wte = state.params["wte"][...]
     print(f"\nFSDP on {px.mesh.describe(mesh)}: each device holds "
           f"{wte.addressable_shards[0].data.shape} of the {wte.shape} embedding")
-    for i, batch in enumerate(data):
-        state, metrics = step(state, batch)
-        print(f"step {i:3d}  loss {float(metrics['loss']):.4f}")
+    tokens = args.batch * config.max_seq_len
+    with px.metrics.Monitor(items_per_step=tokens,
+                            flops_per_step=px.models.flops_per_token(config) * tokens,
+                            logdir=args.logdir, profile_steps=args.profile_steps,
+                            description="FSDP") as monitor:
+        for batch in monitor.loop(data):
+            state, metrics = step(state, batch)
+            monitor.step(metrics, loss=metrics["loss"])
+    print(monitor.table())
     held = sum(math.prod(x.addressable_shards[0].data.shape) * x.dtype.itemsize
                for x in jax.tree.leaves(state))
     print(f"training state on device 0 after training: {held / 1e6:.2f} MB")

@@ -128,27 +128,18 @@ def run(strategy: str = "dp+fsdp+tp", steps: int = 30, batch: int = 16,
     resumed_from = len(losses) if resumed else None
     rows = process_slice(batch, mesh, composed)  # this process's share (all rows in one)
     compiled = step.lower(state, _share(data[0], rows)).compile()
-    meter = metrics.Throughput.for_compiled(compiled, items_per_step=batch * config.max_seq_len)
-    log = metrics.MetricsLog(logdir) if logdir else None
-    profiler = profile_steps and metrics.profile(logdir or "parallax-logs", profile_steps)
-    bar = _progress(data[len(losses):], f"{strategy} on {describe(mesh)}", progress)
-    meter.start()
-    for b in meter.timed(bar):
-        if profiler:
-            profiler.step(len(losses) + 1)
-        state, out = step(state, _share(b, rows))
-        measured = meter.step(out)
-        losses.append(float(out["loss"]))
-        if log:
-            log.write(len(losses), {"loss": losses[-1]} | measured.as_dict())
-        if saver:  # the data position is the step: the batches are the same every run
-            saver.save(len(losses), state, settings | {"losses": losses, "strategy": strategy})
-        if progress:
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", **measured.postfix())
-    if profiler:
-        profiler.close()
-    if log:
-        log.close()
+    monitor = metrics.Monitor.for_compiled(
+        compiled, items_per_step=batch * config.max_seq_len, logdir=logdir,
+        profile_steps=profile_steps, progress=progress,
+        description=f"{strategy} on {describe(mesh)}", first_step=len(losses) + 1)
+    with monitor:
+        for b in monitor.loop(data[len(losses):]):
+            state, out = step(state, _share(b, rows))
+            losses.append(float(out["loss"]))
+            monitor.step(out, loss=losses[-1])
+            if saver:  # the data position is the step: the batches are the same every run
+                saver.save(len(losses), state,
+                           settings | {"losses": losses, "strategy": strategy})
     if saver:
         if saver.latest_step() != len(losses):  # the last step, when off the schedule
             saver.save(len(losses), state, settings | {"losses": losses, "strategy": strategy},
@@ -164,21 +155,14 @@ def run(strategy: str = "dp+fsdp+tp", steps: int = 30, batch: int = 16,
     return DemoResult(strategy, describe(mesh), losses, reference, diff,
                       hlo.collectives(compiled, mesh), hlo.memory(compiled), state_bytes, seconds,
                       resumed_from, checkpoint_dir and str(checkpoint_dir),
-                      meter.table() if meter.history else "", logdir and str(logdir))
+                      monitor.meter.table() if monitor.meter.history else "",
+                      logdir and str(logdir))
 
 
 def _share(batch: dict, rows: slice) -> dict:
     """This process's rows of a global batch (under ``parallax launch``, each process feeds
     its own share, as in DDP; with one process, the whole batch)."""
     return {key: value[rows] for key, value in batch.items()}
-
-
-def _progress(items, description, enabled):
-    if not enabled:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=description, unit="step", leave=True)
 
 
 def report(result: DemoResult) -> str:

@@ -83,6 +83,11 @@ class MetricsLog:
                 if name != "step" and isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(name, value, int(step))
 
+    @property
+    def writes_tensorboard(self) -> bool:
+        """Whether TensorBoard event files are written too (``tensorboardX`` is there)."""
+        return self._tensorboard is not None
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

@@ -9,6 +9,7 @@ example that a test elsewhere already runs, with a stronger check, is not run tw
 (``COVERED``: the script and the test that runs it).
 """
 
+import json
 import os
 import pathlib
 import re
@@ -27,7 +28,9 @@ COVERED = {  # run (and checked against one device) by these tests
     "resumable_train.py": "tests/checkpoint/test_example.py",  # stopped, resumed, bitwise
     "stock_cnn.py": "tests/byom/test_example.py",  # against a plain nnx loop
 }
-EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"]}
+EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"],
+         # px.metrics.Monitor's files, checked below: a log of each step and a trace
+         "gradient_accumulation.py": ["--logdir", "{tmp}/logs", "--profile-steps", "2:3"]}
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
 IN_PROCESS = [s for s in SCRIPTS if s not in LAUNCHED | OWN_PROCESS | set(COVERED)]
 
@@ -56,7 +59,14 @@ def test_example_runs_in_process(name, tmp_path, monkeypatch, capsys):
         runpy.run_path(str(EXAMPLES / name), run_name="__main__")
     except SystemExit as exit_:
         assert exit_.code in (0, None), capsys.readouterr().out[-3000:]
-    assert capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out
+    if "--logdir" in EXTRA.get(name, []):
+        assert "steps measured" in out and "tokens/s per device" in out  # the final table
+        log = (tmp_path / "logs/metrics.jsonl").read_text()
+        rows = [json.loads(line) for line in log.splitlines()]
+        assert [r["step"] for r in rows] == [1, 2] and all(r["mfu"] > 0 for r in rows)
+        assert list(tmp_path.glob("logs/plugins/profile/*/perfetto_trace.json.gz"))
 
 
 def _env() -> dict:

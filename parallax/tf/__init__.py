@@ -12,6 +12,7 @@ from parallax.tf.cross_device_ops import HierarchicalCopyAllReduce as Hierarchic
 from parallax.tf.cross_device_ops import NcclAllReduce as NcclAllReduce
 from parallax.tf.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from parallax.tf.distributed_input import InputContext as InputContext
+from parallax.tf.extended import StrategyExtended as StrategyExtended
 from parallax.tf.distributed_input import ValueContext as ValueContext
 from parallax.tf.losses import compute_average_loss as compute_average_loss
 from parallax.tf.losses import scale_regularization_loss as scale_regularization_loss
@@ -19,6 +20,7 @@ from parallax.tf.mirrored import MirroredStrategy as MirroredStrategy
 from parallax.tf.mirrored import get_strategy as get_strategy
 from parallax.tf.multi_worker import CommunicationOptions as CommunicationOptions
 from parallax.tf.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+from parallax.tf.one_device import OneDeviceStrategy as OneDeviceStrategy
 from parallax.tf.reduce_op import ReduceOp as ReduceOp
 from parallax.tf.replica_context import ReplicaContext as ReplicaContext
 from parallax.tf.replica_context import get_replica_context as get_replica_context

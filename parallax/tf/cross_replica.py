@@ -20,13 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallax.tf.merge_call import MergedValue
 from parallax.tf.reduce_op import ReduceOp, as_reduce_op
 from parallax.tf.values import Mirrored, PerReplica
 
 
 def is_distributed(x) -> bool:
-    """A ``PerReplica`` or ``Mirrored`` value."""
-    return isinstance(x, (PerReplica, Mirrored))
+    """A ``PerReplica`` or ``Mirrored`` value, or a per-replica value inside ``merge_call``."""
+    return isinstance(x, (PerReplica, Mirrored, MergedValue))
 
 
 def check_axis(api: str, axis: int, ndim: int, where: str) -> int:
@@ -62,6 +63,9 @@ def reduce(strategy, api: str, reduce_op, value, axis: int | None, place: Callab
 
     def one(path, x):
         where = f"value{jax.tree_util.keystr(path)}"
+        if isinstance(x, MergedValue):
+            dim = None if axis is None else check_axis(api, axis, len(x.shape), where)
+            return x.reduce(api, op, dim)
         if isinstance(x, PerReplica):
             stacked = place(api, x, where)
             dim = None if axis is None else check_axis(api, axis, len(x.shape), where)
@@ -92,6 +96,8 @@ def gather(strategy, api: str, value, axis: int, place: Callable):
 
     def one(path, x):
         where = f"value{jax.tree_util.keystr(path)}"
+        if isinstance(x, MergedValue):
+            return x.gather(api, check_axis(api, axis, len(x.shape), where))
         if isinstance(x, PerReplica):
             stacked = place(api, x, where)
             dim = check_axis(api, axis, len(x.shape), where)
@@ -114,7 +120,13 @@ def local_results(value, count: int) -> tuple:
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
     if not any(is_distributed(x) for x in leaves):
         return (value,)
-    parts = [x.values if is_distributed(x) else (x,) * count for x in leaves]
+    merged = [x for x in leaves if isinstance(x, MergedValue)]
+    if merged:  # inside merge_call, in one program: every replica's component
+        count = merged[0].context.num_replicas_in_sync
+        parts = [x.components() if isinstance(x, MergedValue) else
+                 (x.value if isinstance(x, Mirrored) else x,) * count for x in leaves]
+    else:
+        parts = [x.values if is_distributed(x) else (x,) * count for x in leaves]
     return tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(count))
 
 

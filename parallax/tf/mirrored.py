@@ -32,6 +32,7 @@ from parallax.tf import cross_replica, mirrored_check, partial_batches, replica_
 from parallax.tf.cross_device_ops import CollectiveAllReduce, CrossDeviceOps
 from parallax.tf.distributed_input import (
     DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext)
+from parallax.tf.extended import StrategyExtended
 from parallax.tf.replica_context import cross_replica_scope, current_scope
 from parallax.tf.values import Mirrored, PerReplica
 
@@ -136,6 +137,11 @@ class MirroredStrategy:
     def devices(self) -> tuple:
         """The devices, in replica order."""
         return self._devices
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """The lower-level API (``reduce_to``, ``update``, devices): TF's ``extended``."""
+        return StrategyExtended(self)
 
     @property
     def cross_device_ops(self) -> CrossDeviceOps:

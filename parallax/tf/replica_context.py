@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallax.context import binding
+from parallax.tf.merge_call import unwrap, wrap
 from parallax.tf.reduce_op import as_reduce_op
 
 
@@ -148,6 +149,55 @@ class ReplicaContext:
             lambda v: lax.all_gather(jnp.asarray(v), self.replica_axes, axis=axis, tiled=True),
             value)
 
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
+
+        Each array in ``args`` / ``kwargs`` reaches ``merge_fn`` as a per-replica value (the
+        replicas' values together, as TensorFlow's ``PerReplica``); the strategy's
+        cross-replica calls on it (``reduce``, ``gather``, ``experimental_local_results``,
+        ``extended.reduce_to`` / ``batch_reduce_to`` / ``update``) are collectives over the
+        replicas. The result comes back unwrapped: a per-replica value as this replica's
+        component, a reduced (``Mirrored``) one as the common value
+        (:mod:`parallax.tf.merge_call`).
+
+        Args:
+          merge_fn: ``merge_fn(strategy, *args, **kwargs)``.
+          args: positional arguments (a tuple or list).
+          kwargs: keyword arguments.
+
+        Returns:
+          ``merge_fn``'s result, unwrapped for this replica.
+
+        Example:
+          >>> import jax.numpy as jnp, parallax as px
+          >>> strategy = px.tf.MirroredStrategy()
+          >>> def replica_fn():
+          ...     ctx = px.tf.get_replica_context()
+          ...     x = ctx.replica_id_in_sync_group.astype(jnp.float32)
+          ...     return ctx.merge_call(lambda s, v: s.reduce("SUM", v, axis=None), args=(x,))
+          >>> strategy.run(replica_fn).values[5]           # 0 + 1 + ... + 7 on every replica
+          Array(28., dtype=float32)
+
+        References:
+          TensorFlow, ``tf.distribute.ReplicaContext.merge_call``.
+        """
+        api = "px.tf.ReplicaContext.merge_call"
+        if not callable(merge_fn):
+            raise TypeError(f"{api}: merge_fn must be callable as merge_fn(strategy, *args, "
+                            f"**kwargs); got {type(merge_fn).__name__}: {merge_fn!r}.")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"{api}: args must be a tuple or list; got "
+                            f"{type(args).__name__} (wrap a single argument: args=(x,)).")
+        if self.strategy is None:
+            raise ValueError(
+                f"{api}: called outside any strategy (the default replica context), where "
+                "TensorFlow passes its default strategy; parallax has none to pass. Run the "
+                "function under a strategy: px.tf.OneDeviceStrategy('cpu:0').run(fn) for one "
+                "device.")
+        args, kwargs = wrap(self, (tuple(args), dict(kwargs or {})))
+        with merging(self.strategy):
+            return unwrap(merge_fn(self.strategy, *args, **kwargs))
+
 
 _DEFAULT = ReplicaContext()
 _replica: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
@@ -202,6 +252,13 @@ def replica(context: ReplicaContext):
     """Makes ``context`` the replica context inside the ``with`` block (used by ``run``)."""
     with binding(_replica, context):
         yield context
+
+
+@contextlib.contextmanager
+def merging(strategy):
+    """Cross-replica context inside a replica function (``merge_call``'s ``merge_fn``)."""
+    with binding(_replica, None), binding(_scope, strategy):
+        yield strategy
 
 
 @contextlib.contextmanager

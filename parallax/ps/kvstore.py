@@ -26,6 +26,7 @@ from parallax.ps.errors import get_from_servers
 from parallax.ps.handles import SumHandle
 from parallax.ps.keys import MAX_KEY, KeyRange, server_key_ranges
 from parallax.ps.optax_handle import OptaxHandle
+from parallax.ps.request import is_request_handle
 from parallax.ps.server import KVServer, publish_to_object_store
 from parallax.ps.worker import KVWorker
 
@@ -219,6 +220,9 @@ def _as_handle(handle):
         return OptaxHandle(handle)
     if callable(getattr(handle, "push", None)) and callable(getattr(handle, "init", None)):
         return handle
-    raise TypeError(f"px.ps.KVStore: handle must be None (sum), an optax optimizer or an "
-                    f"object with init(values) and push(stored, pushed, state); got "
+    if is_request_handle(handle):
+        return handle
+    raise TypeError(f"px.ps.KVStore: handle must be None (sum), an optax optimizer, an "
+                    f"object with init(values) and push(stored, pushed, state), or a request "
+                    f"handle callable as handle(meta, data, server); got "
                     f"{type(handle).__name__}.")

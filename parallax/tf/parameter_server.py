@@ -30,8 +30,10 @@ class ParameterServerStrategy:
     """Variables on parameter servers, functions on workers (TensorFlow 2's PS strategy).
 
     Args:
-      cluster_resolver: the job's shape (:class:`parallax.tf.RayClusterResolver`); None for
-        a local cluster with 2 workers and 1 parameter server.
+      cluster_resolver: the job's shape (:class:`parallax.tf.RayClusterResolver`, or
+        :class:`parallax.tf.TFConfigClusterResolver` on the ``chief``: one server per
+        ``ps`` task, one worker actor per ``worker`` task); None for a local cluster with
+        2 workers and 1 parameter server.
       variable_partitioner: how to split each variable along axis 0
         (:class:`~parallax.tf.FixedShardsPartitioner`, :class:`~parallax.tf.MinSizePartitioner`,
         :class:`~parallax.tf.MaxSizePartitioner`, or any ``(shape, dtype) -> [shards, 1, ...]``);
@@ -63,6 +65,13 @@ class ParameterServerStrategy:
         if not isinstance(resolver, RayClusterResolver):
             raise TypeError(f"px.tf.ParameterServerStrategy: cluster_resolver must be a "
                             f"px.tf.RayClusterResolver, got {type(resolver).__name__}.")
+        task_type = getattr(resolver, "task_type", None)
+        if task_type not in (None, "chief"):
+            raise ValueError(
+                f"px.tf.ParameterServerStrategy: this process is TF_CONFIG task {task_type}:"
+                f"{resolver.task_id}; only the chief creates the strategy. The chief starts a "
+                f"Ray actor for every worker and ps task, so this process has nothing to run: "
+                f"px.tf.Server(resolver).join() returns at once (TensorFlow's blocks).")
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise TypeError(f"px.tf.ParameterServerStrategy: variable_partitioner must be "
                             f"callable as partitioner(shape, dtype), e.g. "

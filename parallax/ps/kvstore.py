@@ -43,7 +43,9 @@ class KVStore:
     Args:
       num_servers: how many server actors (key ranges).
       handle: what a push does: None for PS-Lite's default (sum), an optax optimizer (the
-        server applies it to the pushed gradients), or any :class:`parallax.ps.handles.Handle`.
+        server applies it to the pushed gradients), any :class:`parallax.ps.handles.Handle`,
+        or a PS-Lite request handle ``handle(meta, data, server)`` that sees every request
+        (:mod:`parallax.ps.request`).
       consistency: ``"sequential"``, ``"eventual"`` or ``px.ps.BoundedDelay(tau)``.
       num_workers: how many ranked workers (``store.worker(rank)``) the vector clocks count.
       dtype: the values' dtype.

@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import optax
 import pytest
 
 import parallax as px
@@ -57,36 +56,3 @@ def test_variables_outside_a_parameter_server_scope_are_refused():
     with px.tf.MirroredStrategy().scope():
         with pytest.raises(ValueError, match="called inside the scope of MirroredStrategy"):
             px.tf.Variable(np.zeros(2))
-
-
-@pytest.mark.xdist_group("ray")
-@pytest.mark.slow
-def test_the_chief_starts_one_server_per_ps_task_and_scope_places_variables(ray_cluster):
-    """One server per ps task; variables created in scope() are partitioned, placed
-    round-robin, and train as the one-process optax run does (3 steps of momentum SGD)."""
-    tx = optax.sgd(0.1, momentum=0.9)
-    with px.tf.ParameterServerStrategy(
-            resolver_for("chief", 0),
-            variable_partitioner=px.tf.MaxSizePartitioner(max_shard_bytes=24)) as strategy:
-        assert strategy.store.num_servers == 2 and strategy.num_workers == 1
-        strategy.set_optimizer(tx)
-        rng = np.random.default_rng(0)
-        initial = {"w": rng.standard_normal((4, 3)).astype(np.float32),
-                   "b": rng.standard_normal((3,)).astype(np.float32)}
-        with strategy.scope():
-            assert px.tf.get_replica_context() is None  # cross-replica, as in TensorFlow
-            variables = {name: px.tf.Variable(value, name=name)
-                         for name, value in initial.items()}
-        # w: 48 bytes -> 2 shards on servers 0, 1; b: 12 bytes -> 1 shard, next in turn: 0
-        assert [s.server for s in variables["w"].shards] == [0, 1]
-        assert [s.server for s in variables["b"].shards] == [0]
-        params, state = dict(initial), tx.init(initial)
-        for step in range(3):
-            grads = {name: rng.standard_normal(v.shape).astype(np.float32)
-                     for name, v in initial.items()}
-            for name, variable in variables.items():
-                variable.apply_gradient(grads[name])
-            updates, state = tx.update(grads, state, params)
-            params = optax.apply_updates(params, updates)
-        assert px.testing.relative_difference(
-            {name: v.read() for name, v in variables.items()}, params) <= 1e-6

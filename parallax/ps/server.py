@@ -166,8 +166,13 @@ class KVServer:
                       timestamp=-1 if timestamp is None else int(timestamp))
 
     def _failure(self, api: str, error: BaseException) -> HandleFailure:
+        trace = "".join(traceback.format_exception(error))
+        try:
+            ray.cloudpickle.dumps(error)
+        except Exception:  # noqa: BLE001 - an exception that cannot travel: send its text
+            error = RuntimeError(f"{type(error).__name__}: {error}")
         return HandleFailure(self.rank, self.key_range.begin, self.key_range.end, api, error,
-                             "".join(traceback.format_exception(error)))
+                             trace)
 
     def _call_handle(self, api, meta, data):
         """(the handle's answer, None) or (None, HandleFailure) for one request."""

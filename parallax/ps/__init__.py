@@ -37,6 +37,9 @@ _LAZY = {
     "init_cluster": "parallax.ps.cluster",
     "shutdown_cluster": "parallax.ps.cluster",
     "run_workers": "parallax.ps.workers",
+    "SimpleApp": "parallax.ps.simple_app",
+    "SimpleData": "parallax.ps.simple_app",
+    "SERVER_GROUP": "parallax.ps.simple_app",
 }
 
 __getattr__ = loader("parallax.ps", _LAZY)
@@ -53,7 +56,10 @@ __all__ = [
     "KeyRange",
     "MAX_KEY",
     "OptaxHandle",
+    "SERVER_GROUP",
     "ServerUnavailableError",
+    "SimpleApp",
+    "SimpleData",
     "SumHandle",
     "UPDATE",
     "as_consistency",

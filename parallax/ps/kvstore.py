@@ -127,6 +127,17 @@ class KVStore:
                                     value_len=self.value_len)
         return self._client
 
+    def simple_app(self, app_id: int = 0, rank: int = -1):
+        """A :class:`parallax.ps.simple_app.SimpleApp` whose server nodes are these servers.
+
+        Args:
+          app_id: which app (each has its own request handle on the servers).
+          rank: the ``sender`` the servers see (-1: none).
+        """
+        from parallax.ps.simple_app import SimpleApp
+
+        return SimpleApp(self._servers, self._ranges, int(app_id), int(rank))
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_client"] = None  # each process opens its own

@@ -81,6 +81,7 @@ class KVServer:
         self.rank, self.key_range = rank, key_range
         self.publish = publish or np.array
         self._changed = asyncio.Condition()
+        self._simple_handles: dict[int, Any] = {}  # SimpleApp id -> request handle
         self._start(handle, consistency, num_workers, dtype)
 
     def _start(self, handle, consistency, num_workers, dtype) -> None:
@@ -151,6 +152,32 @@ class KVServer:
         if failure is not None:
             return failure
         return await self.pull(keys, None, worker, None if worker is None else iteration + 1)
+
+    async def set_simple_handle(self, app_id: int, handle) -> None:
+        """Sets the request handle of SimpleApp ``app_id`` (:mod:`parallax.ps.simple_app`)."""
+        self._simple_handles[app_id] = handle
+
+    async def simple(self, app_id: int, request):
+        """Runs SimpleApp ``app_id``'s request handle: the reply, or a HandleFailure."""
+        from parallax.ps.simple_app import SimpleData, default_request_handle
+
+        replies = []
+        server = self
+
+        class Responder:  # what the handle's ``app`` argument offers: response()
+            rank, key_range = server.rank, server.key_range
+
+            @staticmethod
+            def response(req, body: str = "") -> None:
+                replies.append(SimpleData(req.head, str(body), server.rank, req.timestamp))
+
+        handle = self._simple_handles.get(app_id, default_request_handle)
+        try:
+            handle(request, Responder())
+        except Exception as error:  # noqa: BLE001 - the app re-raises it, with the server
+            return self._failure(f"SimpleApp.request (head={request.head})", error)
+        return replies[0] if replies else SimpleData(request.head, "", self.rank,
+                                                     request.timestamp)
 
     def response(self, meta: KVMeta, data: KVPairs | None = None) -> None:
         """Answers the request ``meta`` with ``data`` (PS-Lite's ``KVServer::Response``).

@@ -116,3 +116,10 @@ def exploding_sum_handle():
             raise ZeroDivisionError("boom")
 
     return ExplodingSum()
+
+
+def echo_simple_handle(request, app):
+    """A SimpleApp request handle: replies head:body:sender reversed; raises on head 13."""
+    if request.head == 13:
+        raise KeyError("unlucky head")
+    app.response(request, f"{request.head}:{request.body[::-1]}:{request.sender}:{app.rank}")

@@ -8,7 +8,8 @@ import pytest
 import parallax.ps as ps
 from parallax.ps.slicer import default_slicer
 
-from ps.ps_testing import RecordingHandle, SeenMetas, exploding_sum_handle
+from ps.ps_testing import (RecordingHandle, SeenMetas, echo_simple_handle,
+                           exploding_sum_handle)
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -121,3 +122,23 @@ def test_callbacks_run_in_issue_order_before_wait_returns(store):
     assert [worker.wait(s) for s in stamps] == [None] * 3
     with pytest.raises(TypeError, match="KVWorker.pull: cb must be callable"):
         worker.pull(keys, cb=3)
+
+
+def test_simple_app_requests_reach_one_or_every_server_as_ps_lite(store):
+    """PS-Lite's tests/test_simple_app.cc: requests with a head and a body, replies waited."""
+    app = store.simple_app(app_id=3, rank=1)
+    default = [r.body for r in app.wait(app.request(1, "x", recv_id=2))]
+    assert default == [""]  # PS-Lite's default handle replies with an empty body
+    app.set_request_handle(echo_simple_handle)
+    stamps = [app.request(head, "abc") for head in range(3)]
+    replies = [app.wait(stamp) for stamp in stamps]
+    assert [[r.body for r in rs] for rs in replies] == [
+        [f"{head}:cba:1:{server}" for server in range(3)] for head in range(3)]
+    assert [r.sender for r in replies[0]] == [0, 1, 2]
+    assert [r.body for r in app.wait(app.request(7, "", recv_id=1))] == ["7::1:1"]
+    with pytest.raises(ps.HandleError, match=r"SimpleApp.wait: the handle of server 0 of 3 "
+                                             r"\(keys \[0, \d+\)\) raised KeyError: 'unlucky "
+                                             r"head' while serving SimpleApp.request \(head=13\)"):
+        app.wait(app.request(13, "x"))
+    with pytest.raises(ValueError, match="recv_id 5 is not a server"):
+        app.request(1, "x", recv_id=5)

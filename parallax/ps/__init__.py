@@ -16,6 +16,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # must precede 
 
 from parallax.ps.consistency import BoundedDelay as BoundedDelay  # noqa: E402
 from parallax.ps.consistency import as_consistency as as_consistency  # noqa: E402
+from parallax.ps.errors import HandleError as HandleError  # noqa: E402
 from parallax.ps.errors import ServerUnavailableError as ServerUnavailableError  # noqa: E402
 from parallax.ps.handles import ASSIGN as ASSIGN  # noqa: E402
 from parallax.ps.handles import UPDATE as UPDATE  # noqa: E402
@@ -24,6 +25,9 @@ from parallax.ps.keys import MAX_KEY as MAX_KEY  # noqa: E402
 from parallax.ps.keys import KeyRange as KeyRange  # noqa: E402
 from parallax.ps.keys import server_key_ranges as server_key_ranges  # noqa: E402
 from parallax.ps.optax_handle import OptaxHandle as OptaxHandle  # noqa: E402
+from parallax.ps.request import KVMeta as KVMeta  # noqa: E402
+from parallax.ps.request import KVPairs as KVPairs  # noqa: E402
+from parallax.ps.slicer import default_slicer as default_slicer  # noqa: E402
 from parallax.ps.lazy_names import loader  # noqa: E402
 
 # Names whose modules import ray: loaded on first use.
@@ -33,6 +37,9 @@ _LAZY = {
     "init_cluster": "parallax.ps.cluster",
     "shutdown_cluster": "parallax.ps.cluster",
     "run_workers": "parallax.ps.workers",
+    "SimpleApp": "parallax.ps.simple_app",
+    "SimpleData": "parallax.ps.simple_app",
+    "SERVER_GROUP": "parallax.ps.simple_app",
 }
 
 __getattr__ = loader("parallax.ps", _LAZY)
@@ -41,15 +48,22 @@ __getattr__ = loader("parallax.ps", _LAZY)
 __all__ = [
     "ASSIGN",
     "BoundedDelay",
+    "HandleError",
+    "KVMeta",
+    "KVPairs",
     "KVStore",
     "KVWorker",
     "KeyRange",
     "MAX_KEY",
     "OptaxHandle",
+    "SERVER_GROUP",
     "ServerUnavailableError",
+    "SimpleApp",
+    "SimpleData",
     "SumHandle",
     "UPDATE",
     "as_consistency",
+    "default_slicer",
     "init_cluster",
     "run_workers",
     "server_key_ranges",

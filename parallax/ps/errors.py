@@ -37,3 +37,34 @@ def get_from_servers(refs, unavailable: Callable[[BaseException], str]) -> list:
         raise ServerUnavailableError(unavailable(error)) from None
     except ray.exceptions.RayTaskError as error:
         raise error.cause from None
+
+
+class HandleError(RuntimeError):
+    """A server's handle raised while serving a request; the message names the server.
+
+    Raised by :meth:`parallax.ps.KVWorker.wait` once every server of the request has
+    answered (the other servers' parts are applied); the handle's exception is the
+    ``__cause__`` and its server-side traceback is in the message.
+
+    Example:
+      >>> str(HandleError("server 1 failed"))
+      'server 1 failed'
+
+    References:
+      PS-Lite's ``KVServer::Process`` runs the request handle for every request
+      (``include/ps/kv_app.h``); there an exception would end the server process.
+    """
+
+
+def raise_handle_failures(api: str, failures: list, num_servers: int) -> None:
+    """Raises :class:`HandleError` for the first of ``failures`` (``HandleFailure``s)."""
+    if not failures:
+        return
+    first = failures[0]
+    others = "" if len(failures) == 1 else (
+        f" (servers {[f.server for f in failures[1:]]} failed too)")
+    raise HandleError(
+        f"{api}: the handle of server {first.server} of {num_servers} (keys [{first.begin}, "
+        f"{first.end})) raised {type(first.error).__name__}: {first.error} while serving "
+        f"{first.api}{others}; the other servers' parts of the request were applied. "
+        f"Server traceback:\n{first.trace}") from first.error

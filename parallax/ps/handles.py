@@ -9,6 +9,9 @@ shared by the whole server.
 - :class:`SumHandle` is PS-Lite's ``KVServerDefaultHandle``: stored += pushed.
 - :class:`parallax.ps.OptaxHandle` applies an optax optimizer to the pushed gradients: the
   classic parameter-server SGD, with the optimizer running where the parameters live.
+
+PS-Lite's general form, a request handle called as ``handle(meta, data, server)`` for every
+push and pull with any ``cmd``, is in :mod:`parallax.ps.request`.
 """
 
 from __future__ import annotations

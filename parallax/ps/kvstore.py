@@ -26,6 +26,7 @@ from parallax.ps.errors import get_from_servers
 from parallax.ps.handles import SumHandle
 from parallax.ps.keys import MAX_KEY, KeyRange, server_key_ranges
 from parallax.ps.optax_handle import OptaxHandle
+from parallax.ps.request import is_request_handle
 from parallax.ps.server import KVServer, publish_to_object_store
 from parallax.ps.worker import KVWorker
 
@@ -42,7 +43,9 @@ class KVStore:
     Args:
       num_servers: how many server actors (key ranges).
       handle: what a push does: None for PS-Lite's default (sum), an optax optimizer (the
-        server applies it to the pushed gradients), or any :class:`parallax.ps.handles.Handle`.
+        server applies it to the pushed gradients), any :class:`parallax.ps.handles.Handle`,
+        or a PS-Lite request handle ``handle(meta, data, server)`` that sees every request
+        (:mod:`parallax.ps.request`).
       consistency: ``"sequential"``, ``"eventual"`` or ``px.ps.BoundedDelay(tau)``.
       num_workers: how many ranked workers (``store.worker(rank)``) the vector clocks count.
       dtype: the values' dtype.
@@ -123,6 +126,17 @@ class KVStore:
                                     consistency=self.consistency, dtype=self.dtype,
                                     value_len=self.value_len)
         return self._client
+
+    def simple_app(self, app_id: int = 0, rank: int = -1):
+        """A :class:`parallax.ps.simple_app.SimpleApp` whose server nodes are these servers.
+
+        Args:
+          app_id: which app (each has its own request handle on the servers).
+          rank: the ``sender`` the servers see (-1: none).
+        """
+        from parallax.ps.simple_app import SimpleApp
+
+        return SimpleApp(self._servers, self._ranges, int(app_id), int(rank))
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -219,6 +233,9 @@ def _as_handle(handle):
         return OptaxHandle(handle)
     if callable(getattr(handle, "push", None)) and callable(getattr(handle, "init", None)):
         return handle
-    raise TypeError(f"px.ps.KVStore: handle must be None (sum), an optax optimizer or an "
-                    f"object with init(values) and push(stored, pushed, state); got "
+    if is_request_handle(handle):
+        return handle
+    raise TypeError(f"px.ps.KVStore: handle must be None (sum), an optax optimizer, an "
+                    f"object with init(values) and push(stored, pushed, state), or a request "
+                    f"handle callable as handle(meta, data, server); got "
                     f"{type(handle).__name__}.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import traceback
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from parallax.ps.checkpoint import load_snapshot, save_snapshot, server_path
 from parallax.ps.consistency import BoundedDelay, VectorClock
 from parallax.ps.handles import ASSIGN, UPDATE, Handle
 from parallax.ps.keys import KeyRange
+from parallax.ps.request import HandleFailure, KVMeta, KVPairs, is_request_handle
 from parallax.ps.table import KVTable, expand_segments
 
 
@@ -79,12 +81,14 @@ class KVServer:
         self.rank, self.key_range = rank, key_range
         self.publish = publish or np.array
         self._changed = asyncio.Condition()
+        self._simple_handles: dict[int, Any] = {}  # SimpleApp id -> request handle
         self._start(handle, consistency, num_workers, dtype)
 
     def _start(self, handle, consistency, num_workers, dtype) -> None:
         self.handle, self.consistency = handle, consistency
         self.table = KVTable(dtype)
-        self.state: Any = handle.init(self.table.values)
+        self.state: Any = None if is_request_handle(handle) else handle.init(self.table.values)
+        self._response: KVPairs | None = None
         self.clock = VectorClock(num_workers)
         self._staleness: list[int] = []
         self._counts = {"pushes": 0, "pulls": 0, "bytes_pushed": 0, "bytes_pulled": 0}
@@ -95,28 +99,139 @@ class KVServer:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def push(self, keys, values, lens, cmd, worker, iteration) -> None:
-        """Applies a push (``cmd`` UPDATE or ASSIGN) and ticks ``worker``'s clock."""
-        self._apply(keys, values, lens, cmd)
-        if worker is not None:
-            self.clock.finish(worker, iteration)
-            async with self._changed:
-                self._changed.notify_all()
+    async def push(self, keys, values, lens, cmd, worker, iteration, timestamp=-1):
+        """Applies a push and ticks ``worker``'s clock (also when the handle fails).
 
-    async def pull(self, keys, slot, worker, iteration, lens=None):
+        Returns None, or a :class:`~parallax.ps.request.HandleFailure` when the handle
+        raised (the worker raises it once every server has answered).
+        """
+        try:
+            if is_request_handle(self.handle):
+                meta = self._meta(cmd, True, False, worker, timestamp)
+                failure = self._call_handle("push", meta, KVPairs(keys, values, lens))[1]
+            else:
+                failure = self._apply(keys, values, lens, cmd)
+        finally:
+            if worker is not None:
+                self.clock.finish(worker, iteration)
+                async with self._changed:
+                    self._changed.notify_all()
+        return failure
+
+    async def pull(self, keys, slot, worker, iteration, lens=None, cmd=UPDATE, timestamp=-1):
         """(values, lens, staleness) of ``keys`` once the consistency model allows it.
 
         ``lens``: the values the caller expects per key (None: whatever is stored); a key
         never pushed then reads as that many zeros, PS-Lite's default handle's answer
-        (``store[key]`` of a missing key is ``Val()``), without being stored.
+        (``store[key]`` of a missing key is ``Val()``), without being stored. A request
+        handle answers instead (``cmd`` and ``timestamp`` reach it in its ``KVMeta``).
         """
         staleness = await self._admit(worker, iteration)
+        if is_request_handle(self.handle):
+            meta = self._meta(cmd, False, True, worker, timestamp)
+            data = KVPairs(keys, np.zeros(0, self.table.values.dtype), lens)
+            return self._answer("pull", meta, data, lens, staleness)
         return self._read(keys, slot, lens) + (staleness,)
 
-    async def push_pull(self, keys, values, lens, cmd, worker, iteration):
-        """A push then, in the next iteration, a pull of the same keys (one round trip)."""
-        await self.push(keys, values, lens, cmd, worker, iteration)
+    async def push_pull(self, keys, values, lens, cmd, worker, iteration, timestamp=-1):
+        """A push then, in the next iteration, a pull of the same keys (one round trip).
+
+        A request handle sees one request with ``meta.push`` and ``meta.pull`` both set
+        (PS-Lite's ``PushPull``).
+        """
+        if is_request_handle(self.handle):
+            try:
+                meta = self._meta(cmd, True, True, worker, timestamp)
+                return self._answer("push_pull", meta, KVPairs(keys, values, lens), None, None)
+            finally:
+                if worker is not None:
+                    self.clock.finish(worker, iteration)
+                    async with self._changed:
+                        self._changed.notify_all()
+        failure = await self.push(keys, values, lens, cmd, worker, iteration, timestamp)
+        if failure is not None:
+            return failure
         return await self.pull(keys, None, worker, None if worker is None else iteration + 1)
+
+    async def set_simple_handle(self, app_id: int, handle) -> None:
+        """Sets the request handle of SimpleApp ``app_id`` (:mod:`parallax.ps.simple_app`)."""
+        self._simple_handles[app_id] = handle
+
+    async def simple(self, app_id: int, request):
+        """Runs SimpleApp ``app_id``'s request handle: the reply, or a HandleFailure."""
+        from parallax.ps.simple_app import SimpleData, default_request_handle
+
+        replies = []
+        server = self
+
+        class Responder:  # what the handle's ``app`` argument offers: response()
+            rank, key_range = server.rank, server.key_range
+
+            @staticmethod
+            def response(req, body: str = "") -> None:
+                replies.append(SimpleData(req.head, str(body), server.rank, req.timestamp))
+
+        handle = self._simple_handles.get(app_id, default_request_handle)
+        try:
+            handle(request, Responder())
+        except Exception as error:  # noqa: BLE001 - the app re-raises it, with the server
+            return self._failure(f"SimpleApp.request (head={request.head})", error)
+        return replies[0] if replies else SimpleData(request.head, "", self.rank,
+                                                     request.timestamp)
+
+    def response(self, meta: KVMeta, data: KVPairs | None = None) -> None:
+        """Answers the request ``meta`` with ``data`` (PS-Lite's ``KVServer::Response``).
+
+        For a request handle; returning the ``KVPairs`` from the handle does the same.
+        """
+        del meta  # one request runs at a time: the answer belongs to the current one
+        self._response = KVPairs(np.zeros(0, np.uint64), np.zeros(0)) if data is None else data
+
+    def _meta(self, cmd, push, pull, worker, timestamp) -> KVMeta:
+        return KVMeta(cmd=int(cmd), push=push, pull=pull,
+                      sender=-1 if worker is None else int(worker),
+                      timestamp=-1 if timestamp is None else int(timestamp))
+
+    def _failure(self, api: str, error: BaseException) -> HandleFailure:
+        trace = "".join(traceback.format_exception(error))
+        try:
+            ray.cloudpickle.dumps(error)
+        except Exception:  # noqa: BLE001 - an exception that cannot travel: send its text
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        return HandleFailure(self.rank, self.key_range.begin, self.key_range.end, api, error,
+                             trace)
+
+    def _call_handle(self, api, meta, data):
+        """(the handle's answer, None) or (None, HandleFailure) for one request."""
+        self._response = None
+        try:
+            answer = self.handle(meta, data, self)
+        except Exception as error:  # noqa: BLE001 - the worker re-raises it, with the server
+            return None, self._failure(f"KVWorker.{api} (cmd={meta.cmd})", error)
+        return (answer if answer is not None else self._response), None
+
+    def _answer(self, api, meta, data, lens, staleness):
+        """A request handle's pull answer as (values, lens, staleness), or a HandleFailure."""
+        answer, failure = self._call_handle(api, meta, data)
+        if failure is not None:
+            return failure
+        try:
+            if not isinstance(answer, KVPairs):
+                raise TypeError(f"a request handle must answer a pull with px.ps.KVPairs "
+                                f"(returned, or passed to server.response), got "
+                                f"{type(answer).__name__}")
+            values = np.asarray(answer.vals, self.table.values.dtype).reshape(-1)
+            got = answer.key_lens() if data.keys.size else np.zeros(0, np.int64)
+            if not np.array_equal(np.asarray(answer.keys, np.uint64), data.keys) or \
+                    int(got.sum()) != values.size:
+                raise ValueError(f"the answer's keys {np.asarray(answer.keys).tolist()} must be "
+                                 f"the requested keys {data.keys.tolist()}, with lens adding "
+                                 f"up to its {values.size} values")
+        except (TypeError, ValueError) as error:
+            return self._failure(f"KVWorker.{api} (cmd={meta.cmd})", error)
+        self._counts["pulls"] += 1
+        self._counts["bytes_pulled"] += values.nbytes
+        return self.publish(values), got, staleness
 
     async def ping(self) -> int:
         """This server's process id (also a liveness check)."""
@@ -156,6 +271,9 @@ class KVServer:
         self.table.keys = np.asarray(snapshot["keys"], np.uint64)
         self.table.offsets = np.asarray(snapshot["offsets"], np.int64)
         self.table.values = np.array(snapshot["values"], self.table.values.dtype)
+        if is_request_handle(self.handle):
+            self.clock.clock[:] = np.asarray(snapshot["clock"])
+            return
         treedef = jax.tree.structure(self.handle.init(self.table.values))
         self.state = jax.tree.unflatten(treedef, [np.array(x) for x in snapshot["state"]])
         self.clock.clock[:] = np.asarray(snapshot["clock"])
@@ -225,11 +343,12 @@ class KVServer:
                              f"{self.handle!r} keeps {len(slots)} per-element slots.")
         return np.asarray(slots[slot])
 
-    def _apply(self, keys, values, lens, cmd) -> None:
+    def _apply(self, keys, values, lens, cmd) -> HandleFailure | None:
         api = f"KVWorker.push (server {self.rank})"
         if cmd not in (UPDATE, ASSIGN):
             raise ValueError(f"{api}: cmd must be px.ps.UPDATE (0) or px.ps.ASSIGN (1), got "
-                             f"{cmd!r}.")
+                             f"{cmd!r}; other commands need a request handle "
+                             f"(handle(meta, data, server), see px.ps.KVMeta).")
         values = np.asarray(values).reshape(-1)
         if lens is None:
             width = values.size // keys.size if keys.size else 0
@@ -257,7 +376,10 @@ class KVServer:
         stored = self.table.values[where]
         part = jax.tree.map(lambda leaf: leaf[where] if _is_slot(leaf, self.table.values) else leaf,
                             self.state)
-        new, part = self.handle.push(stored, values, part)
+        try:
+            new, part = self.handle.push(stored, values, part)
+        except Exception as error:  # noqa: BLE001 - the worker re-raises it, with the server
+            return self._failure(f"KVWorker.push (cmd={cmd})", error)
         if not (isinstance(where, slice) and np.shares_memory(new, self.table.values)):
             self.table.values[where] = new
         self.state = self._scatter(self.state, where, part, shared=True)

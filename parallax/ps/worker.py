@@ -8,15 +8,19 @@ flight is PS-Lite's ``Customer``; Ray's actor calls and object store are its ``V
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import ray
 
 from parallax.ps.consistency import BoundedDelay
-from parallax.ps.errors import get_from_servers
+from parallax.ps.errors import get_from_servers, raise_handle_failures
 from parallax.ps.handles import UPDATE
-from parallax.ps.keys import KeyRange, check_keys, slice_bounds, value_offsets
+from parallax.ps.keys import KeyRange, check_keys, value_offsets
+from parallax.ps.request import HandleFailure
+from parallax.ps.slicer import Slicer, checked_bounds, default_slicer
 
 
 @dataclasses.dataclass
@@ -26,6 +30,7 @@ class _Request:
     pull: bool
     servers: list[int]
     refs: list
+    done: concurrent.futures.Future | None = None  # set when a callback was given
 
 
 class KVWorker:
@@ -69,30 +74,68 @@ class KVWorker:
         self.bytes_pulled = 0
         self._next_timestamp = 0
         self._pending: dict[int, _Request] = {}
+        self._slicer: Slicer = default_slicer
+        self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_pending"] = {}  # replies belong to the process that asked
+        state["_callbacks"] = None  # each process runs its own callback thread
         return state
+
+    def set_slicer(self, slicer: Slicer) -> None:
+        """Sets how requests' keys are split over the servers (PS-Lite's ``set_slicer``).
+
+        Args:
+          slicer: ``slicer(keys, ranges) -> parts``, one entry per server: the increasing
+            positions into ``keys`` that server gets, or None. Each request's parts are
+            checked: a key sent to a server whose range does not hold it, to two servers, or
+            to none, is an error naming the key. See :mod:`parallax.ps.slicer`.
+
+        Example:
+          >>> import numpy as np, parallax as px
+          >>> from parallax.ps.slicer import default_slicer
+          >>> _ = px.ps.init_cluster()
+          >>> with px.ps.KVStore(num_servers=2, max_key=100) as store:
+          ...     worker = store.client()
+          ...     worker.set_slicer(lambda keys, ranges: default_slicer(keys, ranges))
+          ...     worker.wait(worker.push(np.array([1, 70], np.uint64), np.ones(2, np.float32)))
+          ...     worker.wait(worker.pull(np.array([1, 70], np.uint64))).tolist()
+          [1.0, 1.0]
+
+        References:
+          PS-Lite, ``KVWorker::set_slicer`` and ``DefaultSlicer`` (``include/ps/kv_app.h``).
+        """
+        if not callable(slicer):
+            raise TypeError(f"KVWorker.set_slicer: the slicer must be callable as "
+                            f"slicer(keys, ranges) -> one part per server; got "
+                            f"{type(slicer).__name__}.")
+        self._slicer = slicer
 
     # -- requests --------------------------------------------------------------------------
 
-    def push(self, keys, values, lens=None, cmd: int = UPDATE) -> int:
+    def push(self, keys, values, lens=None, cmd: int = UPDATE,
+             cb: Callable[[], None] | None = None) -> int:
         """Sends ``values`` for sorted ``keys`` to their servers; returns a timestamp.
 
         Args:
           keys: sorted, unique uint64 keys.
           values: the values, flat in key order (or ``[len(keys), k]``).
           lens: values per key, when keys have different lengths.
-          cmd: ``px.ps.UPDATE`` (the server's handle) or ``px.ps.ASSIGN`` (overwrite).
+          cmd: ``px.ps.UPDATE`` (the server's handle) or ``px.ps.ASSIGN`` (overwrite); a
+            request handle (:mod:`parallax.ps.request`) receives any integer.
+          cb: called as ``cb()`` once every server has applied the push: on this worker's
+            callback thread, in the order requests were issued, before :meth:`wait` of
+            this request returns (PS-Lite's ``Push(..., cmd, cb)``).
 
         Returns:
           The request's timestamp, for :meth:`wait`.
         """
+        _check_cb("KVWorker.push", cb)
         keys, values, offsets, bounds = self._prepare("KVWorker.push", keys, values, lens)
         self._check_value_len("KVWorker.push", keys, offsets)
         tick = self.rank is not None and self.consistency.waits  # every server's clock moves
-        request = _Request(pull=False, servers=[], refs=[])
+        request, timestamp = _Request(pull=False, servers=[], refs=[]), self._next_timestamp
         for server, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             if lo == hi and not tick:
                 continue
@@ -100,12 +143,13 @@ class KVWorker:
             request.servers.append(server)
             request.refs.append(self._servers[server].push.remote(
                 keys[lo:hi], values[offsets[lo]:offsets[hi]], piece_lens, cmd, self.rank,
-                self.iteration))
+                self.iteration, timestamp))
         if self.rank is not None:
             self.iteration += 1
-        return self._track(request)
+        return self._track(request, cb)
 
-    def pull(self, keys, slot: int | None = None, lens=None) -> int:
+    def pull(self, keys, slot: int | None = None, lens=None, *, cmd: int = UPDATE,
+             cb: Callable[[np.ndarray], None] | None = None) -> int:
         """Asks for the values of sorted ``keys``; returns a timestamp for :meth:`wait`.
 
         Args:
@@ -117,6 +161,10 @@ class KVWorker:
             pushed reads as that many zeros (for a slot: the handle's initial state of zero
             values), PS-Lite's default-handle answer (``store[key]`` of a missing key is a
             zero); it is not stored. Without a length a never-pushed key is an error.
+          cmd: passed to a request handle in its ``KVMeta`` (ignored by simple handles).
+          cb: called as ``cb(values)`` with the pulled values once every server has
+            answered: on this worker's callback thread, in the order requests were issued,
+            before :meth:`wait` of this request returns (PS-Lite's ``Pull(..., cb)``).
 
         Example:
           >>> import numpy as np, parallax as px
@@ -131,17 +179,18 @@ class KVWorker:
           PS-Lite, ``KVWorker::Pull`` and ``KVServerDefaultHandle``
           (``include/ps/kv_app.h``).
         """
+        _check_cb("KVWorker.pull", cb)
         keys = check_keys("KVWorker.pull", keys)
         lens = self._pull_lens(keys, lens)
-        bounds = slice_bounds("KVWorker.pull", keys, self._ranges)
+        bounds = checked_bounds("KVWorker.pull", self._slicer, keys, self._ranges)
         request = _Request(pull=True, servers=[], refs=[])
         for server, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             if lo < hi:
                 request.servers.append(server)
                 request.refs.append(self._servers[server].pull.remote(
                     keys[lo:hi], slot, self.rank, self.iteration,
-                    None if lens is None else lens[lo:hi]))
-        return self._track(request)
+                    None if lens is None else lens[lo:hi], cmd, self._next_timestamp))
+        return self._track(request, cb)
 
     def _pull_lens(self, keys: np.ndarray, lens) -> np.ndarray | None:
         """``lens`` as one length per key (the store's ``value_len`` by default), or None."""
@@ -169,13 +218,16 @@ class KVWorker:
                              f"was created with value_len={self.value_len} (every key holds "
                              f"that many); push {self.value_len} values per key.")
 
-    def push_pull(self, keys, values, lens=None, cmd: int = UPDATE) -> int:
+    def push_pull(self, keys, values, lens=None, cmd: int = UPDATE,
+                  cb: Callable[[np.ndarray], None] | None = None) -> int:
         """A push, then a pull of the same keys answered after it (one round trip each server).
 
         Returns:
           A timestamp; :meth:`wait` returns the values after the push (and after whatever
-          the consistency model makes the pull wait for).
+          the consistency model makes the pull wait for). ``cb`` is called as
+          ``cb(values)``, as for :meth:`pull`.
         """
+        _check_cb("KVWorker.push_pull", cb)
         keys, values, offsets, bounds = self._prepare("KVWorker.push_pull", keys, values, lens)
         self._check_value_len("KVWorker.push_pull", keys, offsets)
         request = _Request(pull=True, servers=[], refs=[])
@@ -189,10 +241,10 @@ class KVWorker:
             request.servers.append(server)
             request.refs.append(self._servers[server].push_pull.remote(
                 keys[lo:hi], values[offsets[lo]:offsets[hi]], piece_lens, cmd, self.rank,
-                self.iteration))
+                self.iteration, self._next_timestamp))
         if self.rank is not None:
             self.iteration += 1
-        return self._track(request)
+        return self._track(request, cb)
 
     def wait(self, timestamp: int, *, with_lens: bool = False):
         """Blocks until the request ``timestamp`` is answered by every server it went to.
@@ -208,6 +260,8 @@ class KVWorker:
 
         Raises:
           ServerUnavailableError: a server of the request died.
+          HandleError: a server's handle raised (the other servers' parts were applied);
+            also whatever the request's callback raised.
         """
         request = self._pending.pop(timestamp, None)
         if request is None:
@@ -215,9 +269,21 @@ class KVWorker:
                 return None  # already waited for (PS-Lite's Wait is idempotent too)
             raise ValueError(f"KVWorker.wait: timestamp {timestamp!r} was never issued by this "
                              f"worker (it has issued 0..{self._next_timestamp - 1}).")
-        replies = self._get(request.refs, request.servers)
-        if not request.pull:
+        if request.done is not None:
+            flat, lens = request.done.result()
+        else:
+            flat, lens = self._collect(request)
+        if flat is None:
             return None
+        return (flat, lens) if with_lens else flat
+
+    def _collect(self, request: _Request):
+        """(values, lens) of a finished request ((None, None) for a push), or its error."""
+        replies = self._get(request.refs, request.servers)
+        failures = [reply for reply in replies if isinstance(reply, HandleFailure)]
+        raise_handle_failures("KVWorker.wait", failures, len(self._servers))
+        if not request.pull:
+            return None, None
         inner = [i for i, reply in enumerate(replies) if isinstance(reply[0], ray.ObjectRef)]
         fetched = self._get([replies[i][0] for i in inner], [request.servers[i] for i in inner])
         values = [reply[0] for reply in replies]
@@ -230,10 +296,8 @@ class KVWorker:
         flat = values[0] if len(values) == 1 else (
             np.concatenate(values) if values else np.zeros(0, self.dtype))
         self.bytes_pulled += flat.nbytes
-        if with_lens:
-            return flat, (lens[0] if len(lens) == 1 else np.concatenate(lens) if lens
-                          else np.zeros(0, np.int64))
-        return flat
+        return flat, (lens[0] if len(lens) == 1 else np.concatenate(lens) if lens
+                      else np.zeros(0, np.int64))
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -247,13 +311,27 @@ class KVWorker:
             values = values.astype(self.dtype)
         values = values.reshape(-1)
         offsets = value_offsets(api, keys, values, lens)
-        return keys, values, offsets, slice_bounds(api, keys, self._ranges)
+        return keys, values, offsets, checked_bounds(api, self._slicer, keys, self._ranges)
 
-    def _track(self, request: _Request) -> int:
+    def _track(self, request: _Request, cb=None) -> int:
         timestamp = self._next_timestamp
         self._next_timestamp += 1
         self._pending[timestamp] = request
+        if cb is not None:
+            if self._callbacks is None:  # one thread: callbacks run in issue order
+                self._callbacks = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="parallax-ps-callbacks")
+            request.done = self._callbacks.submit(self._complete, request, cb)
         return timestamp
+
+    def _complete(self, request: _Request, cb):
+        """Runs on the callback thread: waits for the replies, then calls ``cb``."""
+        flat, lens = self._collect(request)
+        if request.pull:
+            cb(flat)
+        else:
+            cb()
+        return flat, lens
 
     def _get(self, refs, servers):
         def unavailable(error):
@@ -278,3 +356,9 @@ def _dead_server(refs, servers) -> int | None:
         except Exception:  # noqa: BLE001 - only the dead server matters here
             continue
     return None
+
+
+def _check_cb(api: str, cb) -> None:
+    if cb is not None and not callable(cb):
+        raise TypeError(f"{api}: cb must be callable (cb() for a push, cb(values) for a pull), "
+                        f"got {type(cb).__name__}.")

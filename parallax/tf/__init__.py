@@ -38,6 +38,11 @@ from parallax.tf.partitioners import FixedShardsPartitioner as FixedShardsPartit
 from parallax.tf.partitioners import MaxSizePartitioner as MaxSizePartitioner  # noqa: E402
 from parallax.tf.partitioners import MinSizePartitioner as MinSizePartitioner  # noqa: E402
 from parallax.tf.partitioners import Partitioner as Partitioner  # noqa: E402
+from parallax.tf.ps_variable import Variable as Variable  # noqa: E402
+from parallax.tf.tf_config_resolver import Server as Server  # noqa: E402
+from parallax.tf.tf_config_resolver import (  # noqa: E402
+    TFConfigClusterResolver as TFConfigClusterResolver,
+)
 
 _PARAMETER_SERVER_NAMES = {
     "ClusterCoordinator": "parallax.tf.coordinator",

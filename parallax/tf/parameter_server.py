@@ -10,6 +10,7 @@ parameter-server training is asynchronous.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
 import jax
@@ -22,6 +23,7 @@ from parallax.ps.cluster import init_cluster
 from parallax.tf.cluster_resolver import RayClusterResolver
 from parallax.tf.key_layout import Shard
 from parallax.tf.partitioners import shard_rows
+from parallax.tf.replica_context import cross_replica_scope, current_scope
 from parallax.tf.server_model import ServerModel
 from parallax.tf.sharded_variable import ShardedVariable
 
@@ -30,8 +32,10 @@ class ParameterServerStrategy:
     """Variables on parameter servers, functions on workers (TensorFlow 2's PS strategy).
 
     Args:
-      cluster_resolver: the job's shape (:class:`parallax.tf.RayClusterResolver`); None for
-        a local cluster with 2 workers and 1 parameter server.
+      cluster_resolver: the job's shape (:class:`parallax.tf.RayClusterResolver`, or
+        :class:`parallax.tf.TFConfigClusterResolver` on the ``chief``: one server per
+        ``ps`` task, one worker actor per ``worker`` task); None for a local cluster with
+        2 workers and 1 parameter server.
       variable_partitioner: how to split each variable along axis 0
         (:class:`~parallax.tf.FixedShardsPartitioner`, :class:`~parallax.tf.MinSizePartitioner`,
         :class:`~parallax.tf.MaxSizePartitioner`, or any ``(shape, dtype) -> [shards, 1, ...]``);
@@ -63,6 +67,13 @@ class ParameterServerStrategy:
         if not isinstance(resolver, RayClusterResolver):
             raise TypeError(f"px.tf.ParameterServerStrategy: cluster_resolver must be a "
                             f"px.tf.RayClusterResolver, got {type(resolver).__name__}.")
+        task_type = getattr(resolver, "task_type", None)
+        if task_type not in (None, "chief"):
+            raise ValueError(
+                f"px.tf.ParameterServerStrategy: this process is TF_CONFIG task {task_type}:"
+                f"{resolver.task_id}; only the chief creates the strategy. The chief starts a "
+                f"Ray actor for every worker and ps task, so this process has nothing to run: "
+                f"px.tf.Server(resolver).join() returns at once (TensorFlow's blocks).")
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise TypeError(f"px.tf.ParameterServerStrategy: variable_partitioner must be "
                             f"callable as partitioner(shape, dtype), e.g. "
@@ -146,6 +157,38 @@ class ParameterServerStrategy:
         for stamp in stamps:
             client.wait(stamp)
         return variable
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Variables created inside (:func:`parallax.tf.Variable`) go to the servers.
+
+        As in TensorFlow, each is split by the ``variable_partitioner`` and its shards are
+        placed round-robin over the parameter servers. Set the optimizer first
+        (:meth:`set_optimizer`): the servers run it where the variables live.
+
+        Raises:
+          ValueError: inside the scope of a different strategy.
+
+        Example:
+          >>> import numpy as np, optax, parallax as px
+          >>> strategy = px.tf.ParameterServerStrategy(px.tf.RayClusterResolver(1, 1))
+          >>> strategy.set_optimizer(optax.sgd(0.1))
+          >>> with strategy.scope():
+          ...     v = px.tf.Variable(np.zeros((2, 2)), name="v")
+          >>> v.read().shape
+          (2, 2)
+          >>> strategy.shutdown()
+
+        References:
+          TensorFlow, ``tf.distribute.experimental.ParameterServerStrategy.scope``.
+        """
+        outer = current_scope()
+        if outer is not None and outer is not self:
+            raise ValueError(f"px.tf.ParameterServerStrategy.scope: already inside the scope "
+                             f"of {type(outer).__name__}; one strategy at a time (leave the "
+                             f"other scope first).")
+        with cross_replica_scope(self):
+            yield self
 
     def distribute_model(self, model: nnx.Module, optimizer: optax.GradientTransformation
                          ) -> ServerModel:

@@ -64,3 +64,62 @@ def least_squares(seed=0, rows=512, dim=8):
     x = rng.standard_normal((rows, dim)).astype(np.float32)
     w_star = rng.standard_normal(dim).astype(np.float32)
     return x, (x @ w_star).astype(np.float32), w_star
+
+
+class RecordingHandle:
+    """A PS-Lite request handle: sums pushes (cmd 0), scales by the pushed values (cmd 5),
+    raises on negative pushed values, and answers pull cmd 9 with the metas it has seen."""
+
+    def __init__(self):
+        self.store, self.metas = {}, []
+
+    def __call__(self, meta, data, server):
+        import parallax.ps as ps
+
+        self.metas.append(meta)
+        if meta.push:
+            if (np.asarray(data.vals) < 0).any():
+                raise ValueError(f"negative value pushed with cmd {meta.cmd}")
+            for key, value in zip(data.keys.tolist(), np.asarray(data.vals).tolist()):
+                old = self.store.get(key, 0.0)
+                self.store[key] = old * value if meta.cmd == 5 else old + value
+        if not meta.pull:
+            return None
+        if meta.cmd == 9:  # a user command: one value per key, the number of requests seen
+            vals = np.full(data.keys.size, len(self.metas), np.float32)
+        else:
+            vals = np.array([self.store.get(k, 0.0) for k in data.keys.tolist()], np.float32)
+        server.response(meta, ps.KVPairs(data.keys, vals))
+        return None
+
+
+class SeenMetas:
+    """A request handle that answers every pull with (cmd, push, pull, sender, timestamp)."""
+
+    def __call__(self, meta, data, server):
+        import parallax.ps as ps
+
+        del server
+        if meta.pull:
+            row = [meta.cmd, meta.push, meta.pull, meta.sender, meta.timestamp,
+                   meta.customer_id]
+            return ps.KVPairs(data.keys, np.tile(np.array(row, np.float32), data.keys.size))
+        return None
+
+
+def exploding_sum_handle():
+    """A simple handle whose push raises ZeroDivisionError('boom')."""
+    import parallax.ps as ps
+
+    class ExplodingSum(ps.SumHandle):
+        def push(self, stored, pushed, state):
+            raise ZeroDivisionError("boom")
+
+    return ExplodingSum()
+
+
+def echo_simple_handle(request, app):
+    """A SimpleApp request handle: replies head:body:sender reversed; raises on head 13."""
+    if request.head == 13:
+        raise KeyError("unlucky head")
+    app.response(request, f"{request.head}:{request.body[::-1]}:{request.sender}:{app.rank}")

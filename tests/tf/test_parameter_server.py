@@ -1,6 +1,8 @@
 """ParameterServerStrategy: partitioners, placement, training equal to one device, sparse
 embedding tables whose rows only are pulled."""
 
+import json
+
 import jax
 import numpy as np
 import optax
@@ -47,11 +49,16 @@ def test_partitioner_errors_are_named():
 
 
 
+# The chief's TF_CONFIG: one worker and two ps tasks (one worker actor, two servers).
+TF_CONFIG = {"cluster": {"chief": ["h0:2222"], "worker": ["h1:2222"],
+                         "ps": ["h2:2222", "h3:2222"]}, "task": {"type": "chief", "index": 0}}
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
+    resolver = px.tf.TFConfigClusterResolver(environ={"TF_CONFIG": json.dumps(TF_CONFIG)})
     strategy = px.tf.ParameterServerStrategy(
-        px.tf.RayClusterResolver(num_workers=1, num_ps=2),
-        variable_partitioner=px.tf.FixedShardsPartitioner(2))
+        resolver, variable_partitioner=px.tf.FixedShardsPartitioner(2))
     coordinator = px.tf.ClusterCoordinator(strategy)
     yield strategy, coordinator
     coordinator.shutdown()
@@ -144,3 +151,33 @@ def test_strategy_errors_are_named(cluster):
         variable.lookup(np.array([1, 9]))
     with pytest.raises(ValueError, match=r"has shape \(4, 2\), got a gradient of shape \(2,\)"):
         variable.apply_gradient(np.zeros(2))
+
+
+@pytest.mark.xdist_group("ray")
+@pytest.mark.slow
+def test_tf_config_ps_tasks_are_the_servers_and_scope_places_variables(cluster):
+    """One server per ps task of TF_CONFIG; variables created in scope() are partitioned,
+    placed round-robin, and train as the one-process optax run does (3 steps)."""
+    strategy, _ = cluster
+    assert strategy.store.num_servers == 2 and strategy.num_workers == 1
+    strategy.set_optimizer(ps_testing.TX)  # the strategy's one optimizer (no-op if set)
+    rng = np.random.default_rng(0)
+    initial = {"w": rng.standard_normal((4, 3)).astype(np.float32),
+               "b": rng.standard_normal((3,)).astype(np.float32)}
+    with strategy.scope():
+        assert px.tf.get_replica_context() is None  # cross-replica, as in TensorFlow
+        variables = {name: px.tf.Variable(value, name=f"scoped/{name}")
+                     for name, value in initial.items()}
+    servers = [s.server for v in variables.values() for s in v.shards]
+    assert [s.rows for v in variables.values() for s in v.shards] == [2, 2, 2, 1]
+    assert servers in ([0, 1, 0, 1], [1, 0, 1, 0])  # round-robin, continuing across variables
+    params, state = dict(initial), ps_testing.TX.init(initial)
+    for _ in range(3):
+        grads = {name: rng.standard_normal(v.shape).astype(np.float32)
+                 for name, v in initial.items()}
+        for name, variable in variables.items():
+            variable.apply_gradient(grads[name])
+        updates, state = ps_testing.TX.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert px.testing.relative_difference(
+        {name: v.read() for name, v in variables.items()}, params) <= 1e-6

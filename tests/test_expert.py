@@ -1,6 +1,6 @@
 """px.ExpertParallel: one device's MoE GPT over 3 steps (whole state), without and with
 dropped tokens; two all-to-alls per MoE layer forward and two backward, of the predicted
-bytes; composition with FSDP; the refusals."""
+bytes; composition with FSDP and with tensor parallelism inside the experts; the refusals."""
 
 import jax
 import numpy as np
@@ -117,6 +117,38 @@ def test_fsdp_with_expert_parallel_matches_one_device():
     strategy = px.compose(px.FSDP("fsdp"), px.ExpertParallel("expert"))
     par = trajectory(*parallel(cfg, px.make_mesh(fsdp=2, expert=4), strategy))
     assert_same_trajectory(par, ref)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_inside_experts_matches_one_device():
+    """data=2 x expert=2 x tensor=2: Megatron's split inside each expert, GShard's exchange."""
+    cfg = config(capacity_factor=1.0)
+    ref = trajectory(*one_device(cfg))
+    mesh = px.make_mesh(data=2, expert=2, tensor=2)
+    strategy = px.compose(px.DataParallel("data"), px.ExpertParallel("expert"),
+                          px.TensorParallel("tensor"))
+    state, step = parallel(cfg, mesh, strategy)
+    experts = state.params["blocks"]["mlp"]
+    assert experts["w_gate"].sharding.spec == jax.P(None, "expert", None, "tensor")
+    assert experts["w_down"].sharding.spec == jax.P(None, "expert", "tensor")
+    found = hlo.collectives(step.lower(state, data()[0]).compile(), mesh)
+    par = trajectory(state, step)
+    assert_same_trajectory(par, ref)
+    in_layer = [c for c in found if not c.in_entry and c.count == LAYERS]
+    exchange = [c for c in in_layer if c.kind == "all-to-all"]
+    assert len(exchange) == 4 and all(c.axes == ("expert",) for c in exchange)
+    rows = ROWS // (mesh.shape["data"] * mesh.shape["expert"])
+    slots = rows * EXPERTS * cfg.moe.capacity(SEQ) * EMBED * 4  # [G, E, C, D] float32
+    residual = rows * SEQ * EMBED * 4  # [B, T, D] float32
+    tensor = [c for c in in_layer if c.axes == ("tensor",)]
+    assert all(c.kind == "all-reduce" for c in tensor)
+    forward = sorted(c.message_bytes for c in tensor if "transpose" not in c.op_name)
+    backward = sorted(c.message_bytes for c in tensor if "transpose" in c.op_name)
+    # Per layer forward: attention's row-parallel output, the experts' w_down output (before
+    # the return all-to-all). Backward: attention's input, the experts' input (XLA reduces
+    # the w_gate and w_up gradients as two arrays of one all-reduce: twice the slots).
+    assert forward == [residual, slots]
+    assert backward == [residual, 2 * slots]
 
 
 def test_experts_not_divisible_by_the_axis_are_refused():

@@ -7,12 +7,14 @@ tokens reach their experts through two all-to-alls (:mod:`.expert_dispatch`). Gr
 the experts are summed only over the batch axes that replicate them (``data``, not
 ``axis``: the all-to-alls already brought every device's tokens to them).
 
-What it composes with (tested in ``tests/strategies/test_expert.py``): ``DataParallel``
-on another axis, ``FSDP``/``ZeRO`` (the experts' other dimensions sharded over ``fsdp``).
+What it composes with (tested in ``tests/test_expert.py``): ``DataParallel`` on another
+axis, ``FSDP``/``ZeRO`` (the experts' other dimensions sharded over ``fsdp``), and
+``TensorParallel`` (Megatron inside each expert: ``w_gate``/``w_up`` split by columns and
+``w_down`` by rows over ``tensor``, one all-reduce of the experts' output per layer).
 The exchange runs in the explicit style (``shard_map``); under ``style="gspmd"`` the MoE
 layer runs on the global arrays and XLA chooses the collectives from the weights'
 shardings (no all-to-all is promised). Not supported: ``px.Pipeline`` with an MoE GPT
-(refused by the GPT's pipeline stages), tensor parallelism inside the experts (untested).
+(refused by the GPT's pipeline stages).
 
 References:
   Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers";

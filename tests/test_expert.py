@@ -144,11 +144,11 @@ def test_tensor_parallel_inside_experts_matches_one_device():
     assert all(c.kind == "all-reduce" for c in tensor)
     forward = sorted(c.message_bytes for c in tensor if "transpose" not in c.op_name)
     backward = sorted(c.message_bytes for c in tensor if "transpose" in c.op_name)
-    # Per layer forward: attention's row-parallel output, the experts' w_down output (before
-    # the return all-to-all). Backward: attention's input, the experts' input (XLA reduces
-    # the w_gate and w_up gradients as two arrays of one all-reduce: twice the slots).
+    # Per layer, forward: attention's row-parallel output and the experts' w_down output
+    # (before the return all-to-all); backward: the input gradients of attention's fused
+    # q/k/v and of the experts' fused gate/up projection. Megatron's two each way.
     assert forward == [residual, slots]
-    assert backward == [residual, 2 * slots]
+    assert backward == [residual, slots]
 
 
 def test_experts_not_divisible_by_the_axis_are_refused():

@@ -49,10 +49,12 @@ def swiglu_experts(tokens: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array) -> jax.Array:
     """Each expert's SwiGLU on its slots: ``[G, E, C, D]`` -> ``[G, E, C, D]``.
 
-    ``E`` is however many experts the weights hold (all, or one device's share).
+    ``E`` is however many experts the weights hold (all, or one device's share). The gate
+    and up projections run as one matmul on the two weights stacked, so that under tensor
+    parallelism the backward pass sums their input gradients before its one all-reduce
+    (as Megatron fuses its column-parallel input projections).
     """
-    gate = jnp.einsum("gecd,edf->gecf", tokens, w_gate)
-    up = jnp.einsum("gecd,edf->gecf", tokens, w_up)
+    gate, up = jnp.einsum("gecd,kedf->kgecf", tokens, jnp.stack([w_gate, w_up]))
     return jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, w_down)
 
 

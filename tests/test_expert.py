@@ -151,6 +151,29 @@ def test_tensor_parallel_inside_experts_matches_one_device():
     assert backward == [residual, slots]
 
 
+@pytest.mark.slow
+def test_gspmd_style_constrains_the_slots_into_all_to_alls_and_matches_one_device():
+    cfg = config(capacity_factor=0.5)
+    ref = trajectory(*one_device(cfg))
+    mesh = px.make_mesh(data=2, expert=4)
+    strategy = px.compose(px.DataParallel("data"), px.ExpertParallel("expert", style="gspmd"))
+    state, step = parallel(cfg, mesh, strategy)
+    found = hlo.collectives(step.lower(state, data()[0]).compile(), mesh)
+    assert_same_trajectory(trajectory(state, step), ref)
+    exchange = [c for c in found if c.kind == "all-to-all"]
+    assert len([c for c in exchange if "transpose" not in c.op_name]) == 2
+    assert len(exchange) == 4 and all(c.axes == ("expert",) and c.count == LAYERS
+                                      for c in exchange)
+    rows = ROWS // mesh.size
+    assert {c.message_bytes for c in exchange} == {
+        rows * EXPERTS * cfg.moe.capacity(SEQ) * EMBED * 4}
+    # XLA CPU also all-gathers the router logits [B, S, E] before top_k (it does not
+    # partition top_k over the batch here): small, and pinned so a change is seen.
+    gathers = [c for c in found if c.kind == "all-gather"]
+    assert [(c.axes, c.message_bytes) for c in gathers] == [
+        (("data", "expert"), ROWS * SEQ * EXPERTS * 4)]
+
+
 def test_experts_not_divisible_by_the_axis_are_refused():
     cfg = px.models.GPTConfig.tiny(moe=px.models.MoEConfig(num_experts=6))
     with pytest.raises(ValueError, match=r"px.init: px.ExpertParallel\('expert'\) splits the "

@@ -182,8 +182,11 @@ def expert_exchange(num_experts: int):
                 "expert parallelism); compose px.ExpertParallel('expert') with a mesh "
                 "axis expert=N to split them.", stacklevel=3)
         return None
+    if not ctx.manual_axes:  # the GSPMD style: sharding constraints, XLA's all-to-alls
+        batch_axes = tuple(ctx.strategy.batch_axes)
+        return lambda slots, run: experts.constrained(slots, run, ctx.mesh, batch_axes)
     if experts.axis not in ctx.manual_axes:
-        return None  # the GSPMD style: the weights' sharding is XLA's to follow
+        return None
     return lambda slots, run: experts.exchange(slots, run)
 
 

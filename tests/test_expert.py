@@ -1,6 +1,7 @@
 """px.ExpertParallel: one device's MoE GPT over 3 steps (whole state), without and with
 dropped tokens; two all-to-alls per MoE layer forward and two backward, of the predicted
-bytes; composition with FSDP and with tensor parallelism inside the experts; the refusals."""
+bytes; composition with FSDP, with tensor parallelism inside the experts, with pipelines (GPipe
+with DP, 1F1B with EP); the GSPMD style; the refusals."""
 
 import jax
 import numpy as np
@@ -172,6 +173,51 @@ def test_gspmd_style_constrains_the_slots_into_all_to_alls_and_matches_one_devic
     gathers = [c for c in found if c.kind == "all-gather"]
     assert [(c.axes, c.message_bytes) for c in gathers] == [
         (("data", "expert"), ROWS * SEQ * EXPERTS * 4)]
+
+
+MICRO, CHUNKS = 2, 4  # micro-batches per batch shard; batch shards x micro-batches
+
+
+def one_device_per_microbatch(cfg):
+    """One device's loss as a pipeline over 2 batch shards computes it: the mean over the 4
+    (shard, micro-batch) row blocks of each block's MoE loss (router losses per block)."""
+    from parallax.models.gpt_pipeline import next_token_stages
+    state = make(cfg)()
+
+    @jax.jit
+    def step(state, batch):
+        def loss(params):
+            model = nnx.merge(state.graphdef, params, state.rest)
+            blocks = batch["tokens"].reshape(CHUNKS, -1, SEQ + 1)
+            return sum(next_token_stages(model, {"tokens": b}) for b in blocks) / CHUNKS
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads), value
+
+    return state, step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, batch_axis", [("gpipe", "data"), ("1f1b", "expert")])
+def test_pipeline_matches_one_device(schedule, batch_axis):
+    from parallax.models.gpt_pipeline import next_token_stages
+    cfg = config(capacity_factor=1.0)
+    mesh = px.make_mesh(stage=2, **{batch_axis: 2}, devices=jax.devices()[:4])
+    split = (px.DataParallel("data") if batch_axis == "data"
+             else px.ExpertParallel("expert"))
+    strategy = px.compose(split, px.Pipeline("stage", microbatches=MICRO, schedule=schedule))
+    state = px.init(make(cfg), mesh, strategy)
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        value, grads = px.value_and_grad(next_token_stages)(state.model, batch)
+        return state.apply_gradients(grads), value
+
+    if batch_axis == "expert":  # the experts split over expert inside the stages
+        assert state.params["blocks"]["mlp"]["w_up"].sharding.spec[:2] == ("stage", "expert")
+        found = hlo.collectives(step.lower(state, data()[0]).compile(), mesh)
+        assert {c.axes for c in found if c.kind == "all-to-all"} == {("expert",)}
+    assert_same_trajectory(trajectory(state, step), trajectory(*one_device_per_microbatch(cfg)))
 
 
 def test_experts_not_divisible_by_the_axis_are_refused():

@@ -191,7 +191,10 @@ def expert_exchange(num_experts: int):
 
 
 def batch_mean():
-    """``x -> x`` averaged over the batch shards of the active step (identity otherwise)."""
+    """``x -> x`` averaged over the batch shards of the active step (identity otherwise).
+
+    The identity in a pipeline stage too: there the statistics are per shard and micro-batch.
+    """
     ctx = context.current()
     axes = () if ctx is None else tuple(a for a in ctx.strategy.batch_axes
                                         if a in ctx.manual_axes)
@@ -200,6 +203,11 @@ def batch_mean():
     shards = 1
     for a in axes:
         shards *= ctx.mesh.shape[a]
+    if ctx.strategy.rule_table.get("layers") in ctx.manual_axes:
+        # In a pipeline stage the statistics are each batch shard's and micro-batch's own
+        # (Megatron-LM's default): the runtime stashes a layer's residuals as varying over
+        # the batch axes, which a mean made the same on every shard is not.
+        return lambda x: x
     return lambda x: lax.psum(to_varying(x, axes), axes) / shards
 
 

@@ -14,8 +14,8 @@ axis, ``FSDP``/``ZeRO`` (the experts' other dimensions sharded over ``fsdp``), a
 The exchange runs in the explicit style (``shard_map``, ``lax.all_to_all``); under
 ``style="gspmd"`` the MoE layer runs on the global arrays and pins its slots' layout with
 sharding constraints (by group, then by expert, then back), which XLA's partitioner turns
-into the same two all-to-alls per layer forward. Not supported: ``px.Pipeline`` with an MoE GPT
-(refused by the GPT's pipeline stages).
+into the same two all-to-alls per layer forward. ``px.Pipeline`` composes too (the GPT's
+pipeline stages carry the router losses; ``parallax.models.gpt_pipeline``).
 
 References:
   Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers";

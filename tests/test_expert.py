@@ -1,6 +1,7 @@
 """px.ExpertParallel: one device's MoE GPT over 3 steps (whole state), without and with
 dropped tokens; two all-to-alls per MoE layer forward and two backward, of the predicted
-bytes; composition with FSDP; the refusals."""
+bytes; composition with FSDP, with tensor parallelism inside the experts, with pipelines (GPipe
+with DP, 1F1B with EP); the GSPMD style; the refusals."""
 
 import jax
 import numpy as np
@@ -117,6 +118,106 @@ def test_fsdp_with_expert_parallel_matches_one_device():
     strategy = px.compose(px.FSDP("fsdp"), px.ExpertParallel("expert"))
     par = trajectory(*parallel(cfg, px.make_mesh(fsdp=2, expert=4), strategy))
     assert_same_trajectory(par, ref)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_inside_experts_matches_one_device():
+    """data=2 x expert=2 x tensor=2: Megatron's split inside each expert, GShard's exchange."""
+    cfg = config(capacity_factor=1.0)
+    ref = trajectory(*one_device(cfg))
+    mesh = px.make_mesh(data=2, expert=2, tensor=2)
+    strategy = px.compose(px.DataParallel("data"), px.ExpertParallel("expert"),
+                          px.TensorParallel("tensor"))
+    state, step = parallel(cfg, mesh, strategy)
+    experts = state.params["blocks"]["mlp"]
+    assert experts["w_gate"].sharding.spec == jax.P(None, "expert", None, "tensor")
+    assert experts["w_down"].sharding.spec == jax.P(None, "expert", "tensor")
+    found = hlo.collectives(step.lower(state, data()[0]).compile(), mesh)
+    par = trajectory(state, step)
+    assert_same_trajectory(par, ref)
+    in_layer = [c for c in found if not c.in_entry and c.count == LAYERS]
+    exchange = [c for c in in_layer if c.kind == "all-to-all"]
+    assert len(exchange) == 4 and all(c.axes == ("expert",) for c in exchange)
+    rows = ROWS // (mesh.shape["data"] * mesh.shape["expert"])
+    slots = rows * EXPERTS * cfg.moe.capacity(SEQ) * EMBED * 4  # [G, E, C, D] float32
+    residual = rows * SEQ * EMBED * 4  # [B, T, D] float32
+    tensor = [c for c in in_layer if c.axes == ("tensor",)]
+    assert all(c.kind == "all-reduce" for c in tensor)
+    forward = sorted(c.message_bytes for c in tensor if "transpose" not in c.op_name)
+    backward = sorted(c.message_bytes for c in tensor if "transpose" in c.op_name)
+    # Per layer, forward: attention's row-parallel output and the experts' w_down output
+    # (before the return all-to-all); backward: the input gradients of attention's fused
+    # q/k/v and of the experts' fused gate/up projection. Megatron's two each way.
+    assert forward == [residual, slots]
+    assert backward == [residual, slots]
+
+
+@pytest.mark.slow
+def test_gspmd_style_constrains_the_slots_into_all_to_alls_and_matches_one_device():
+    cfg = config(capacity_factor=0.5)
+    ref = trajectory(*one_device(cfg))
+    mesh = px.make_mesh(data=2, expert=4)
+    strategy = px.compose(px.DataParallel("data"), px.ExpertParallel("expert", style="gspmd"))
+    state, step = parallel(cfg, mesh, strategy)
+    found = hlo.collectives(step.lower(state, data()[0]).compile(), mesh)
+    assert_same_trajectory(trajectory(state, step), ref)
+    exchange = [c for c in found if c.kind == "all-to-all"]
+    assert len([c for c in exchange if "transpose" not in c.op_name]) == 2
+    assert len(exchange) == 4 and all(c.axes == ("expert",) and c.count == LAYERS
+                                      for c in exchange)
+    rows = ROWS // mesh.size
+    assert {c.message_bytes for c in exchange} == {
+        rows * EXPERTS * cfg.moe.capacity(SEQ) * EMBED * 4}
+    # XLA CPU also all-gathers the router logits [B, S, E] before top_k (it does not
+    # partition top_k over the batch here): small, and pinned so a change is seen.
+    gathers = [c for c in found if c.kind == "all-gather"]
+    assert [(c.axes, c.message_bytes) for c in gathers] == [
+        (("data", "expert"), ROWS * SEQ * EXPERTS * 4)]
+
+
+MICRO, CHUNKS = 2, 4  # micro-batches per batch shard; batch shards x micro-batches
+
+
+def one_device_per_microbatch(cfg):
+    """One device's loss as a pipeline over 2 batch shards computes it: the mean over the 4
+    (shard, micro-batch) row blocks of each block's MoE loss (router losses per block)."""
+    from parallax.models.gpt_pipeline import next_token_stages
+    state = make(cfg)()
+
+    @jax.jit
+    def step(state, batch):
+        def loss(params):
+            model = nnx.merge(state.graphdef, params, state.rest)
+            blocks = batch["tokens"].reshape(CHUNKS, -1, SEQ + 1)
+            return sum(next_token_stages(model, {"tokens": b}) for b in blocks) / CHUNKS
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads), value
+
+    return state, step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, batch_axis", [("gpipe", "data"), ("1f1b", "expert")])
+def test_pipeline_matches_one_device(schedule, batch_axis):
+    from parallax.models.gpt_pipeline import next_token_stages
+    cfg = config(capacity_factor=1.0)
+    mesh = px.make_mesh(stage=2, **{batch_axis: 2}, devices=jax.devices()[:4])
+    split = (px.DataParallel("data") if batch_axis == "data"
+             else px.ExpertParallel("expert"))
+    strategy = px.compose(split, px.Pipeline("stage", microbatches=MICRO, schedule=schedule))
+    state = px.init(make(cfg), mesh, strategy)
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        value, grads = px.value_and_grad(next_token_stages)(state.model, batch)
+        return state.apply_gradients(grads), value
+
+    if batch_axis == "expert":  # the experts split over expert inside the stages
+        assert state.params["blocks"]["mlp"]["w_up"].sharding.spec[:2] == ("stage", "expert")
+        found = hlo.collectives(step.lower(state, data()[0]).compile(), mesh)
+        assert {c.axes for c in found if c.kind == "all-to-all"} == {("expert",)}
+    assert_same_trajectory(trajectory(state, step), trajectory(*one_device_per_microbatch(cfg)))
 
 
 def test_experts_not_divisible_by_the_axis_are_refused():

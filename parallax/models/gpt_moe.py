@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.activations import constrain
+from parallax.comm.varying import to_varying, varying_axes
 
 RESIDUAL = ("batch", "sequence", "embed")
 
@@ -27,6 +28,41 @@ def moe_block_forward(block, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Arr
     x = constrain(x + block.attn(block.ln1(x)), RESIDUAL)
     y, stats = block.mlp(block.ln2(x))
     return constrain(x + y, RESIDUAL), stats
+
+
+STATS_IN_ROW = ("load_balance_loss", "router_z_loss")
+
+
+def with_stats_row(x: jax.Array) -> jax.Array:
+    """``[B, T, D]`` -> ``[B, T + 1, D]``: a zero row after the stream for the auxiliary losses.
+
+    A pipeline carries one activation array between its stages; the row brings each layer's
+    losses (summed) to the last stage. Needs ``D >= 2``.
+    """
+    if x.shape[-1] < len(STATS_IN_ROW):
+        raise ValueError(f"next_token_stages: an MoE GPT under a pipeline carries its "
+                         f"{len(STATS_IN_ROW)} auxiliary losses in the embedding dimension, "
+                         f"which has {x.shape[-1]} entries; use embed_dim >= 2.")
+    return jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+
+
+def split_stats_row(x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``[B, T + 1, D]`` -> (the stream ``[B, T, D]``, the summed losses as scalars)."""
+    row = x[0, -1].astype(jnp.float32)
+    return x[:, :-1], {name: row[i] for i, name in enumerate(STATS_IN_ROW)}
+
+
+def moe_block_with_stats_row(block, x: jax.Array) -> jax.Array:
+    """One MoE block on ``[B, T + 1, D]``: the stream through the block, its losses added."""
+    stream, row = x[:, :-1], x[:, -1:]
+    y, stats = moe_block_forward(block, stream)
+    # The losses are the same on every batch shard; typed as varying like the stream, so the
+    # backward pass sums their cotangents over the shards explicitly (shard_map's check).
+    losses = to_varying(jnp.stack([stats[name] for name in STATS_IN_ROW]).astype(x.dtype),
+                        tuple(varying_axes(x)))
+    padding = jnp.zeros(x.shape[-1] - len(STATS_IN_ROW), x.dtype)
+    added = jnp.concatenate([losses, to_varying(padding, tuple(varying_axes(x)))])
+    return jnp.concatenate([y, row + added], axis=1)
 
 
 def apply_moe_blocks(model, x: jax.Array) -> jax.Array:

@@ -16,6 +16,13 @@ Example:
   >>> bool(jnp.allclose(next_token_stages(model, batch), next_token_loss(model, batch)))
   True
 
+For an MoE GPT (``GPTConfig(moe=...)``) the stages carry ``[B, T + 1, D]``: the residual
+stream and one row that sums the layers' load-balancing and z losses, so the pipeline's one
+activation array brings them to the last stage, which adds them to the loss. Under
+``px.Pipeline`` the auxiliary losses are then per micro-batch (Switch's balancing loss of
+each micro-batch's tokens, averaged over micro-batches, as Megatron-LM computes it), which
+differs from the whole batch's; the per-layer statistics (``expert_load``) are not returned.
+
 References:
   Huang et al. 2019, GPipe; Narayanan et al. 2021 (SC), Megatron-LM (embedding on the first
   stage, head on the last).
@@ -28,6 +35,12 @@ from collections.abc import Mapping
 import jax
 
 from parallax.models.gpt import GPT, Block, block_forward, next_token_loss
+from parallax.models.gpt_moe import (
+    moe_block_with_stats_row,
+    split_stats_row,
+    with_stats_row,
+)
+from parallax.models.moe import MoE, aux_loss
 from parallax.pipeline.stages import Stages
 
 
@@ -42,18 +55,21 @@ def _tokens(batch: Mapping[str, jax.Array]) -> jax.Array:
 
 
 def embed_tokens(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
-    """First stage: the residual stream of ``tokens[:, :-1]``, ``[B, T, D]``."""
-    if getattr(getattr(model, "config", None), "moe", None) is not None:
-        raise ValueError(
-            "next_token_stages: this GPT has MoE blocks (GPTConfig(moe=...)), whose router "
-            "statistics and auxiliary losses the pipeline stages do not carry; MoE under "
-            "px.Pipeline is not supported yet: train it without px.Pipeline "
-            "(px.ExpertParallel, px.DataParallel, px.FSDP compose with it).")
-    return model.embed(_tokens(batch)[:, :-1])
+    """First stage: the residual stream of ``tokens[:, :-1]``, ``[B, T, D]``.
+
+    For an MoE GPT, ``[B, T + 1, D]``: the stream and a row for the router's auxiliary
+    losses, which the MoE blocks add to (:mod:`parallax.models.gpt_moe`).
+    """
+    x = model.embed(_tokens(batch)[:, :-1])
+    if getattr(getattr(model, "config", None), "moe", None) is None:
+        return x
+    return with_stats_row(x)
 
 
 def apply_block(block: Block, x: jax.Array) -> jax.Array:
-    """One stage step: one transformer block (``block_forward``)."""
+    """One stage step: one transformer block (``block_forward``), or one MoE block."""
+    if isinstance(block.mlp, MoE):
+        return moe_block_with_stats_row(block, x)
     return block_forward(block, x)
 
 
@@ -61,9 +77,14 @@ def head_loss(model: GPT, x: jax.Array, batch: Mapping[str, jax.Array]) -> jax.A
     """Last stage: ``next_token_loss`` with ``model.unembed(x)`` as the logits.
 
     The loss itself is ``next_token_loss``'s code, called with a stand-in model that returns
-    these logits, so the two cannot drift apart.
+    these logits, so the two cannot drift apart. For an MoE GPT it adds the router's
+    auxiliary losses carried in the stats row, as ``moe_next_token_loss`` does.
     """
-    return next_token_loss(lambda tokens: model.unembed(x), batch)
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    if moe is None:
+        return next_token_loss(lambda tokens: model.unembed(x), batch)
+    x, stats = split_stats_row(x)
+    return next_token_loss(lambda tokens: model.unembed(x), batch) + aux_loss(stats, moe)
 
 
 next_token_stages = Stages(

@@ -49,10 +49,12 @@ def swiglu_experts(tokens: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array) -> jax.Array:
     """Each expert's SwiGLU on its slots: ``[G, E, C, D]`` -> ``[G, E, C, D]``.
 
-    ``E`` is however many experts the weights hold (all, or one device's share).
+    ``E`` is however many experts the weights hold (all, or one device's share). The gate
+    and up projections run as one matmul on the two weights stacked, so that under tensor
+    parallelism the backward pass sums their input gradients before its one all-reduce
+    (as Megatron fuses its column-parallel input projections).
     """
-    gate = jnp.einsum("gecd,edf->gecf", tokens, w_gate)
-    up = jnp.einsum("gecd,edf->gecf", tokens, w_up)
+    gate, up = jnp.einsum("gecd,kedf->kgecf", tokens, jnp.stack([w_gate, w_up]))
     return jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, w_down)
 
 
@@ -180,13 +182,19 @@ def expert_exchange(num_experts: int):
                 "expert parallelism); compose px.ExpertParallel('expert') with a mesh "
                 "axis expert=N to split them.", stacklevel=3)
         return None
+    if not ctx.manual_axes:  # the GSPMD style: sharding constraints, XLA's all-to-alls
+        batch_axes = tuple(ctx.strategy.batch_axes)
+        return lambda slots, run: experts.constrained(slots, run, ctx.mesh, batch_axes)
     if experts.axis not in ctx.manual_axes:
-        return None  # the GSPMD style: the weights' sharding is XLA's to follow
+        return None
     return lambda slots, run: experts.exchange(slots, run)
 
 
 def batch_mean():
-    """``x -> x`` averaged over the batch shards of the active step (identity otherwise)."""
+    """``x -> x`` averaged over the batch shards of the active step (identity otherwise).
+
+    The identity in a pipeline stage too: there the statistics are per shard and micro-batch.
+    """
     ctx = context.current()
     axes = () if ctx is None else tuple(a for a in ctx.strategy.batch_axes
                                         if a in ctx.manual_axes)
@@ -195,6 +203,11 @@ def batch_mean():
     shards = 1
     for a in axes:
         shards *= ctx.mesh.shape[a]
+    if ctx.strategy.rule_table.get("layers") in ctx.manual_axes:
+        # In a pipeline stage the statistics are each batch shard's and micro-batch's own
+        # (Megatron-LM's default): the runtime stashes a layer's residuals as varying over
+        # the batch axes, which a mean made the same on every shard is not.
+        return lambda x: x
     return lambda x: lax.psum(to_varying(x, axes), axes) / shards
 
 

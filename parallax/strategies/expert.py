@@ -7,12 +7,15 @@ tokens reach their experts through two all-to-alls (:mod:`.expert_dispatch`). Gr
 the experts are summed only over the batch axes that replicate them (``data``, not
 ``axis``: the all-to-alls already brought every device's tokens to them).
 
-What it composes with (tested in ``tests/strategies/test_expert.py``): ``DataParallel``
-on another axis, ``FSDP``/``ZeRO`` (the experts' other dimensions sharded over ``fsdp``).
-The exchange runs in the explicit style (``shard_map``); under ``style="gspmd"`` the MoE
-layer runs on the global arrays and XLA chooses the collectives from the weights'
-shardings (no all-to-all is promised). Not supported: ``px.Pipeline`` with an MoE GPT
-(refused by the GPT's pipeline stages), tensor parallelism inside the experts (untested).
+What it composes with (tested in ``tests/test_expert.py``): ``DataParallel`` on another
+axis, ``FSDP``/``ZeRO`` (the experts' other dimensions sharded over ``fsdp``), and
+``TensorParallel`` (Megatron inside each expert: ``w_gate``/``w_up`` split by columns and
+``w_down`` by rows over ``tensor``, one all-reduce of the experts' output per layer).
+The exchange runs in the explicit style (``shard_map``, ``lax.all_to_all``); under
+``style="gspmd"`` the MoE layer runs on the global arrays and pins its slots' layout with
+sharding constraints (by group, then by expert, then back), which XLA's partitioner turns
+into the same two all-to-alls per layer forward. ``px.Pipeline`` composes too (the GPT's
+pipeline stages carry the router losses; ``parallax.models.gpt_pipeline``).
 
 References:
   Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers";
@@ -62,7 +65,8 @@ def ExpertParallel(axis: str = "expert", *, style: str | None = None) -> Strateg
     Args:
       axis: the mesh axis (``px.make_mesh(expert=n)``).
       style: ``"explicit"`` (default: two all-to-alls per MoE layer forward, in the
-        step's ``shard_map``) or ``"gspmd"`` (XLA follows the weights' shardings).
+        step's ``shard_map``) or ``"gspmd"`` (sharding constraints on the slots, from which
+        XLA emits the same all-to-alls).
 
     Returns:
       A :class:`parallax.Strategy` with the rule ``"expert" -> axis``, ``axis`` as a batch

@@ -13,6 +13,11 @@ of n devices (E / n each), :meth:`ExpertExchange.exchange`
 The backward pass is the same two all-to-alls transposed, so one MoE layer costs four per
 step, each moving ``G E C D`` elements per device, of which ``(n - 1) / n`` leave it.
 
+In the GSPMD style (no ``shard_map``) :meth:`ExpertExchange.constrained` says the same with
+sharding constraints, as GShard did: the slots are pinned split by group over the batch
+axes, then split by expert over ``axis`` (and by group over the other batch axes) for the
+experts, then back; XLA's partitioner turns each change of layout into an all-to-all.
+
 References:
   Lepikhin et al. 2020, "GShard", sec. 2.2 and 3.2 (the dispatch all-to-all and the combine
   all-to-all); Fedus et al. 2021, "Switch Transformers", fig. 9 (token and expert layout);
@@ -26,6 +31,7 @@ from collections.abc import Callable
 
 import jax
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +68,28 @@ class ExpertExchange:
         """
         there = lax.all_to_all(slots, self.axis, split_axis=1, concat_axis=0, tiled=True)
         return lax.all_to_all(run(there), self.axis, split_axis=0, concat_axis=1, tiled=True)
+
+    def constrained(self, slots: jax.Array, run: Callable[[jax.Array], jax.Array], mesh: Mesh,
+                    batch_axes: tuple[str, ...]) -> jax.Array:
+        """The GSPMD style's exchange: ``run`` on global ``[G, E, C, D]`` slots, laid out by expert.
+
+        Args:
+          slots: the global slots, G the whole batch's sequences.
+          run: all the experts, ``[G, E, C, D] -> [G, E, C, D]`` (their weights split by E).
+          mesh: the step's mesh.
+          batch_axes: the strategy's batch axes (``axis`` among them).
+
+        Returns:
+          The experts' outputs, laid out by group again.
+        """
+        other = tuple(a for a in batch_axes if a != self.axis) or None
+        free = jax.P.UNCONSTRAINED
+        by_group = NamedSharding(mesh, jax.P(batch_axes, None, free, free))
+        by_expert = NamedSharding(mesh, jax.P(other, self.axis, free, free))
+        there = lax.with_sharding_constraint(
+            lax.with_sharding_constraint(slots, by_group), by_expert)
+        out = lax.with_sharding_constraint(run(there), by_expert)
+        return lax.with_sharding_constraint(out, by_group)
 
     def __repr__(self) -> str:
         return f"ExpertExchange({self.axis!r})"

@@ -92,9 +92,18 @@ def test_bad_configs_are_refused():
         px.models.GPTConfig.tiny(moe={"num_experts": 4})
 
 
-def test_pipeline_stages_refuse_an_moe_gpt():
+def test_pipeline_stages_are_the_moe_loss():
+    """Without a pipeline the stages (router losses carried in a row of the stream) are
+    moe_next_token_loss; a width too small to carry the two losses is refused."""
     from parallax.models.gpt_pipeline import next_token_stages
     model = px.models.GPT(px.models.GPTConfig.tiny(moe=MoEConfig()), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"next_token_stages: this GPT has MoE blocks .* "
-                       r"MoE under px.Pipeline is not supported yet"):
-        next_token_stages(model, {"tokens": jnp.ones((2, 9), jnp.int32)})
+    batch = {"tokens": jnp.arange(18, dtype=jnp.int32).reshape(2, 9)}
+    both = nnx.jit(lambda m, b: (px.models.moe_next_token_loss(m, b)[0],
+                                 next_token_stages(m, b)))  # one compile
+    loss, staged = both(model, batch)
+    assert px.testing.relative_difference(staged, loss) <= 1e-6
+    from parallax.models.gpt_moe import with_stats_row
+    with pytest.raises(ValueError, match=r"next_token_stages: an MoE GPT under a pipeline "
+                       r"carries its 2 auxiliary losses in the embedding dimension, which has "
+                       r"1 entries; use embed_dim >= 2"):
+        with_stats_row(jnp.ones((2, 8, 1)))

@@ -85,7 +85,7 @@ class Agent:
         """Runs ``WorkerState.<method>(*args)`` on worker ``to``; ``after``: an object to wait for."""
         future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
         if self.call_log is not None:
-            self.call_log.start(self.name, to, method, describe, future)
+            self.call_log.start(self.name, to, method, describe, args, future)
         if to == self.name:
             done = self.executor.submit(getattr(self.state, method), *args)
             done.add_done_callback(lambda d: future.set_exception(d.exception())

@@ -54,9 +54,12 @@ class CallLog:
         self._records: list[CallRecord] = []
         self._lock = threading.Lock()
 
-    def start(self, caller: str, callee: str, kind: str, describe: str, future) -> None:
-        """Records the call behind ``future`` once it settles."""
+    def start(self, caller: str, callee: str, kind: str, describe: str, args: tuple,
+              future) -> None:
+        """Records the call behind ``future`` (``WorkerState.<kind>(*args)``) once it settles."""
         what = describe.split(" on worker ")[0]
+        if kind == "run" and "(_call_method)" in what:  # an RRef proxy's call: name the method
+            what = what.replace("(_call_method)", f"(.{args[1][1]})")
         sent = time.time()
 
         def settled(_):

@@ -5,8 +5,10 @@ process that called ``init_rpc``, turns it on in every worker of the group; on e
 collects every worker's calls into the list it yielded, sorted by start time. A call is
 recorded by its *caller*, from the moment it is sent to the moment its answer arrives
 (``time.time()``, comparable across the processes of one machine). Calls that RPC makes
-for its own bookkeeping (RRef forks and releases, autograd backward, optimizer steps) are
-recorded too, each with its kind.
+for its own bookkeeping (RRef forks and fetches, autograd backward, optimizer steps) are
+recorded too, each with its kind (``fork``, ``fetch``, ``backward``, ``register_optimizer``,
+``optimizer_step``); RRef releases and context releases are one-way messages, not calls,
+and are not recorded. One recording at a time (``record_calls`` blocks do not nest).
 
 Example:
   >>> import parallax.rpc as rpc
@@ -93,8 +95,12 @@ def record_calls() -> Iterator[list[CallRecord]]:
     """Records every worker's calls in the body; yields a list, filled on exit (by start)."""
     agent = current_agent("call_log.record_calls")
     if agent.in_actor:
-        raise RuntimeError("parallax.rpc.call_log.record_calls: open it on the process that "
-                           "called init_rpc (it turns recording on in every worker)")
+        raise RuntimeError(f"parallax.rpc.call_log.record_calls: worker {agent.name!r} is a "
+                           "worker actor; open record_calls on the process that called init_rpc "
+                           "(it turns recording on in every worker)")
+    if agent.call_log is not None:
+        raise RuntimeError("parallax.rpc.call_log.record_calls: calls are already being "
+                           "recorded here; record_calls blocks do not nest (use one block)")
     others = [name for name in agent.names if name in agent.handles]
     for name in others:
         agent.call(name, "run", (start_recording, (), {}, None, None, None), timeout=None,

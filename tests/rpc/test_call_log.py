@@ -22,3 +22,15 @@ def test_record_calls_collects_every_workers_calls_in_start_order_and_stops(grou
     with record_calls() as again:
         pass
     assert again == []  # recording stopped on every worker when the first block ended
+
+
+def test_record_calls_refuses_a_worker_actor_and_nesting(group):
+    from parallax.rpc.call_log import record_calls
+
+    with pytest.raises(RuntimeError, match=r"record_calls: worker 'w1' is a worker actor; open "
+                                           r"record_calls on the process that called init_rpc"):
+        group.rpc_sync("w1", t.open_record_calls, timeout=T)
+    with record_calls():
+        with pytest.raises(RuntimeError, match="record_calls blocks do not nest"):
+            with record_calls():
+                pass

@@ -110,7 +110,7 @@ class Agent:
                 "called init_rpc), which takes no calls from other workers; run the code that "
                 "must be called on one of the other workers")
         try:
-            return self.handles[to].dispatch.remote(method, after, *args)
+            return self.handles[to].dispatch.remote(method, after, args)
         except Exception as error:  # Ray's serializer: a function or argument that won't pickle
             if "serializ" not in str(error).lower() and "pickl" not in str(error).lower():
                 raise

@@ -7,7 +7,8 @@ Two tables:
    args=(array,))``), against a plain Ray actor method doing the same (``actor.take.remote(
    array)``, ``ray.get``). The two are timed alternately in one run (median of the repeats,
    and the best of them: on a shared machine the slowest samples measure the neighbours).
-   The small payloads give the round-trip latency, the large ones the bandwidth (bytes sent
+   The small payloads give the round-trip latency (each sample times a batch of up to 50
+   calls, a sample of one call being mostly noise), the large ones the bandwidth (bytes sent
    / time). Target: rpc_sync >= 0.8 of raw.
 2. **The pipeline example's training step** (``examples/rpc/pipeline.py``: two shards on two
    workers, forward through RRef proxies, distributed-autograd backward, DistributedOptimizer)
@@ -60,15 +61,25 @@ def calls(sizes_kb, repeats):
     ray.get(raw.take.remote(np.zeros(1)))
     rpc.rpc_sync("worker1", nbytes, args=(np.zeros(1),))  # warm both paths
     print(f"\nrpc_sync vs raw Ray actor call (array sent, its size returned), "
-          f"{repeats} alternating repeats, median (best)")
+          f"{repeats} alternating repeats, median (best), ms per call")
     print(f"{'payload':>9}{'rpc_sync ms':>18}{'raw ms':>18}{'rpc GB/s':>10}{'raw GB/s':>10}"
           f"{'ratio':>7}")
     rows = []
     for kb in sizes_kb:
         array = np.random.default_rng(0).standard_normal(kb * 256).astype(np.float32)
-        (rpc_med, rpc_best), (raw_med, raw_best) = timed_pair(
-            lambda: rpc.rpc_sync("worker1", nbytes, args=(array,)),
-            lambda: ray.get(raw.take.remote(array)), repeats)
+        per_sample = min(50, max(1, (1 << 20) // array.nbytes))  # small: time a batch of calls
+
+        def rpc_calls():
+            for _ in range(per_sample):
+                rpc.rpc_sync("worker1", nbytes, args=(array,))
+
+        def raw_calls():
+            for _ in range(per_sample):
+                ray.get(raw.take.remote(array))
+
+        (rpc_med, rpc_best), (raw_med, raw_best) = [
+            (med / per_sample, best / per_sample)
+            for med, best in timed_pair(rpc_calls, raw_calls, repeats)]
         ratio = raw_med / rpc_med
         label = f"{kb} KB" if kb < 1024 else f"{kb // 1024} MB"
         print(f"{label:>9}{rpc_med * 1e3:>11.3f} ({rpc_best * 1e3:.3f}){raw_med * 1e3:>11.3f} "

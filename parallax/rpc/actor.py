@@ -31,7 +31,10 @@ class RpcWorker:
         set_agent(Agent(self.name, self.names, others, self.state, actors={}, in_actor=True))
         return self.state.pid()
 
-    def dispatch(self, method: str, after, *args):
-        """Runs ``WorkerState.<method>(*args)`` (``after``, an object Ray waited for, unused)."""
+    def dispatch(self, method: str, after, args: tuple):
+        """Runs ``WorkerState.<method>(*args)`` (``after``, an object Ray waited for, unused).
+
+        ``args`` come as one tuple: Ray serializes an actor call's arguments one by one, and
+        one argument instead of six saves about 0.1 ms a call (``benchmarks/rpc.py``)."""
         del after
         return getattr(self.state, method)(*args)

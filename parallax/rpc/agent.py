@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import ray
 
+from parallax.rpc.deadlines import Deadlines
 from parallax.rpc.errors import RemoteWorkerError
 from parallax.rpc.future import Future
 from parallax.rpc.recording import (Tape, call_in_trace, current_anchor, current_context)
@@ -59,6 +60,8 @@ class Agent:
         self.executor = concurrent.futures.ThreadPoolExecutor(16, f"parallax-rpc-{name}")
         self.pending: set[Future] = set()
         self.lock = threading.Lock()
+        self.deadlines = Deadlines()  # the calls' timeouts, one thread for all
+        self.call_log = None  # a parallax.rpc.call_log.CallLog while recording is on
 
     def info(self, to, api: str) -> WorkerInfo:
         """The :class:`WorkerInfo` of ``to`` (a name, a rank or a WorkerInfo), validated."""
@@ -80,7 +83,9 @@ class Agent:
     def call(self, to: str, method: str, args: tuple, *, timeout: float | None,
              describe: str, after=None) -> Future:
         """Runs ``WorkerState.<method>(*args)`` on worker ``to``; ``after``: an object to wait for."""
-        future = Future(timeout=timeout, describe=describe)
+        future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
+        if self.call_log is not None:
+            self.call_log.start(self.name, to, method, describe, args, future)
         if to == self.name:
             done = self.executor.submit(getattr(self.state, method), *args)
             done.add_done_callback(lambda d: future.set_exception(d.exception())
@@ -105,7 +110,7 @@ class Agent:
                 "called init_rpc), which takes no calls from other workers; run the code that "
                 "must be called on one of the other workers")
         try:
-            return self.handles[to].dispatch.remote(method, after, *args)
+            return self.handles[to].dispatch.remote(method, after, args)
         except Exception as error:  # Ray's serializer: a function or argument that won't pickle
             if "serializ" not in str(error).lower() and "pickl" not in str(error).lower():
                 raise

@@ -103,6 +103,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_TIMEOUT) -> None:
     for actor in agent.actors.values():
         ray.kill(actor)
     agent.executor.shutdown(wait=False, cancel_futures=True)
+    agent.deadlines.close()
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

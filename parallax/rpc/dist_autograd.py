@@ -53,7 +53,7 @@ def context() -> Iterator[str]:
     finally:
         agent.state.release_context(context_id)
         for name, handle in agent.handles.items():
-            handle.dispatch.remote("release_context", None, context_id)
+            handle.dispatch.remote("release_context", None, (context_id,))
 
 
 def backward(context_id: str, roots: Sequence, timeout: float | None = DEFAULT_TIMEOUT) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ class Future:
       timeout: seconds after which the future fails with :class:`RPCTimeoutError`; None or
         0 waits forever.
       describe: the call's name in error messages.
+      deadlines: a :class:`parallax.rpc.deadlines.Deadlines` that expires it (an agent's,
+        shared by its calls); without one, a timer thread of its own.
 
     Example:
       >>> f = Future()
@@ -35,11 +38,15 @@ class Future:
       ``set_result``, ``add_done_callback``).
     """
 
-    def __init__(self, *, timeout: float | None = None, describe: str = "the call"):
+    def __init__(self, *, timeout: float | None = None, describe: str = "the call",
+                 deadlines=None):
         self._inner: concurrent.futures.Future = concurrent.futures.Future()
         self._describe = describe
         self.object_ref = None  # the Ray object of a remote call, when there is one
-        if timeout:
+        if timeout and deadlines is not None:  # an agent's shared watcher (no thread per call)
+            this = weakref.ref(self)  # a future nobody holds is not kept until its deadline
+            deadlines.add(timeout, lambda: (f := this()) is not None and f._expire(timeout))
+        elif timeout:
             timer = threading.Timer(timeout, self._expire, args=(timeout,))
             timer.daemon = True
             timer.start()

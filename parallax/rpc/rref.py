@@ -137,7 +137,7 @@ class RRef:
                 agent.state.release(self._id)
             elif self._owner in agent.handles:
                 after = self._created.object_ref if self._created is not None else None
-                agent.handles[self._owner].dispatch.remote("release", after, self._id)
+                agent.handles[self._owner].dispatch.remote("release", after, (self._id,))
         except Exception:  # interpreter or Ray shutting down: nothing left to free
             pass
 

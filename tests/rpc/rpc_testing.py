@@ -83,3 +83,10 @@ def scale_by(w_rref, x):
 def forward_along(next_worker, w_rref, x):
     """On one worker: a layer of its own, then the rest of the chain on ``next_worker``."""
     return rpc.rpc_sync(next_worker, scale_by, args=(w_rref, jnp.sin(x)))
+
+
+def open_record_calls():  # on a worker: record_calls belongs to the driver
+    from parallax.rpc.call_log import record_calls
+
+    with record_calls():
+        pass

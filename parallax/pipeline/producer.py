@@ -68,12 +68,6 @@ class PipelineProducer:
         target = getattr(local, "target", None)
         policy = dict(precision=getattr(local, "precision", None),
                       scale=getattr(local, "scale", None))
-        if policy["precision"] is not None and settings.weights != "flush":
-            raise ValueError(
-                f"{API}(weights={settings.weights!r}): a mixed-precision policy "
-                f"({policy['precision'].describe()}) reaches the stages with "
-                "weights='flush' only (px.pipeline.update applies its own updates, in the "
-                "parameters' dtype); use weights='flush', or leave px.MixedPrecision out")
         if module_state.carries_state(target):
             module_state.check(target, local.options, API, settings.weights)
             loss, grads, after = pipeline_grads(

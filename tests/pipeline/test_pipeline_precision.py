@@ -126,3 +126,22 @@ def test_reduce_dtype_sets_the_stage_axis_gradient_sum():
     assert _stage_all_reduce_dtypes(_lowered("gpipe", compute="float32")) == {"f32"}
     assert _stage_all_reduce_dtypes(
         _lowered("gpipe", compute="float32", reduce="float16")) == {"f16"}
+
+
+def test_stashed_weights_refuse_a_policy():
+    mesh = px.make_mesh(devices=jax.devices()[:2], stage=2)
+    strategy = px.compose(px.Pipeline("stage", microbatches=2, weights="stashed"),
+                          px.MixedPrecision(compute="bfloat16"))
+
+    @px.train_step(mesh, strategy, donate=False)
+    def step(state, batch):
+        return px.pipeline.update(px.models.next_token_stages, state, batch)
+
+    state = px.init(fx.gpt_state, mesh, strategy)
+    with pytest.raises(ValueError, match=re.escape(
+            "px.pipeline.update: px.Pipeline(weights='stashed') applies the optimizer inside "
+            "the pipeline after every micro-batch, where the precision policy "
+            "(params=float32, compute=bfloat16, grads=float32, reduce=float32) does not reach "
+            "(its stages compute in the parameters' dtype). Use weights='2bw' or 'flush' with "
+            "px.MixedPrecision, or leave px.MixedPrecision out")):
+        step(state, fx.gpt_batches(steps=1, batch=4)[0])

@@ -3,7 +3,7 @@ backward), the activations sent between stages and the sum of the replicated par
 gradients over the stage axis.
 
 On ``data=2 x stage=2`` (2 stages, 2 micro-batches per data slice), GPipe and 1F1B: a
-float32 policy gives exactly the numbers without one (the tiny GPT); bf16 compute stays
+float32 policy gives exactly the numbers without one (and on the tiny GPT, slow); bf16 compute stays
 within 2% of float32 over 3 steps (a residual tanh MLP as ``px.pipeline.Stages`` over a
 parameter pytree, which computes in whatever dtype its parameters come in; the bf16
 mantissa rounds at 2^-9 per op; measured 0.3% on the losses, 0.6% on the parameters); the emitted program's dots and
@@ -62,21 +62,30 @@ def _strategy(schedule, **policy):
 
 
 @functools.cache
-def _mlp_run(schedule, compute="float32"):
+def _mlp_run(schedule, compute=None):
+    policy = {} if compute is None else {"compute": compute}
     return px.testing.train(_mlp, STAGES, _mlp_batches(), tx=TX, mesh=_mesh(),
-                            strategy=_strategy(schedule, compute=compute))
+                            strategy=_strategy(schedule, **policy))
+
+
+def _bitwise_equal(a, b):
+    assert a.losses == b.losses
+    same = jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a.final_params, b.final_params)
+    assert all(jax.tree.leaves(same))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_float32_policy_gives_exactly_the_numbers_without_one(schedule):
+    _bitwise_equal(_mlp_run(schedule, "float32"), _mlp_run(schedule))
+
+
+@pytest.mark.slow
+def test_float32_policy_gives_exactly_the_gpts_numbers():
     batches = fx.gpt_batches(steps=2, batch=8)
     runs = [px.testing.train(fx.gpt_state, px.models.next_token_stages, batches, mesh=_mesh(),
-                             strategy=_strategy(schedule, **policy))
+                             strategy=_strategy("1f1b", **policy))
             for policy in ({}, {"compute": "float32"})]
-    assert runs[0].losses == runs[1].losses
-    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), runs[0].final_params,
-                        runs[1].final_params)
-    assert all(jax.tree.leaves(same))
+    _bitwise_equal(*runs)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

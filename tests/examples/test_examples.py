@@ -28,7 +28,7 @@ COVERED = {  # run (and checked against one device) by these tests
     "stock_cnn.py": "tests/byom/test_example.py",  # against a plain nnx loop
 }
 EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"],
-         "llama_long_context.py": ["--check", "--seq-len", "128"]}
+         "llama_long_context.py": ["--check", "--seq-len", "64"]}
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
 IN_PROCESS = [s for s in SCRIPTS if s not in LAUNCHED | OWN_PROCESS | set(COVERED)]
 

@@ -105,6 +105,23 @@ def test_reduce_dtype_sets_the_compiled_all_reduce_bytes():
         assert _gradient_all_reduce_bytes(lowered) == 2 * PARAMS
 
 
+def _gspmd_all_reduce_dtypes(compute, reduce):
+    strategy = px.compose(px.DataParallel("data", style="gspmd"),
+                          px.MixedPrecision(compute=compute, reduce=reduce, loss_scale=None))
+    batch = {"x": jax.ShapeDtypeStruct((32, 16), jnp.float32),
+             "y": jax.ShapeDtypeStruct((32, 16), jnp.float32)}
+    compiled = _step(_mesh(), strategy).lower(jax.eval_shape(_mlp_state), batch).compile()
+    return {d for c in hlo.collectives(compiled, _mesh()) if c.kind == "all-reduce"
+            for d, shape in zip(c.dtypes, c.shapes) if shape}
+
+
+def test_gspmd_sums_gradients_in_the_compute_dtype():
+    """The partitioner all-reduces each weight-gradient matmul's partial result in its own
+    dtype (the compute dtype), before any cast: ``reduce`` does not apply (documented)."""
+    assert _gspmd_all_reduce_dtypes("float16", "float32") == {"f16"}
+    assert _gspmd_all_reduce_dtypes("float32", "float16") == {"f32"}
+
+
 def test_fp16_loss_scaling_skips_an_overflow_and_recovers():
     tx = px.dynamic_loss_scale(optax.sgd(0.05), initial_scale=2.0 ** 10, period=2)
     strategy = px.compose(px.DataParallel("data"), px.MixedPrecision(compute="float16"))

@@ -66,14 +66,17 @@ class PipelineProducer:
             )
         local = request.value_and_grad
         target = getattr(local, "target", None)
+        policy = dict(precision=getattr(local, "precision", None),
+                      scale=getattr(local, "scale", None))
         if module_state.carries_state(target):
             module_state.check(target, local.options, API, settings.weights)
             loss, grads, after = pipeline_grads(
                 stages, params, module_state.rebuild_for(target, local.options), batch,
                 settings, api=API, state=local.state,
-                run=module_state.run_for(local.options, local.position))
+                run=module_state.run_for(local.options, local.position), **policy)
             return (loss, LocalResult(None, module_state.shared_exact(after), None, {})), grads
-        loss, grads = pipeline_grads(stages, params, request.rebuild, batch, settings, api=API)
+        loss, grads = pipeline_grads(stages, params, request.rebuild, batch, settings, api=API,
+                                     **policy)
         return (loss, None), grads
 
 

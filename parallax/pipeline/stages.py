@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
@@ -113,6 +114,8 @@ class Program(NamedTuple):
         statistics, RNG streams of each layer).
       others_state: the rest of the module's non-parameter state.
       state: ``state(stacked_state, others_state) -> the module's state tree``.
+      reduce: the dtype name the gradients of ``others`` are summed over the stage axis in
+        (a mixed-precision policy's ``reduce``), or None: their accumulation dtype.
     """
 
     stacked: list
@@ -124,6 +127,7 @@ class Program(NamedTuple):
     stacked_state: list = []
     others_state: list = []
     state: Callable = lambda stacked_state, others_state: None
+    reduce: str | None = None
 
 
 def _leaves_at(state, paths: list, api: str, where: str) -> list:
@@ -165,7 +169,8 @@ def _stateful_layer(stages: Stages, layers: nnx.Module, api: str, stateful: bool
     return state, rest, layer
 
 
-def program(stages: Stages, params, rebuild: Callable, api: str, state=None) -> Program:
+def program(stages: Stages, params, rebuild: Callable, api: str, state=None, *,
+            precision=None, scale=None) -> Program:
     """Splits ``params`` into the stacked layers and the rest, and the loss into functions.
 
     Args:
@@ -175,6 +180,12 @@ def program(stages: Stages, params, rebuild: Callable, api: str, state=None) -> 
         ``state``, ``rebuild(params, state) -> the module``.
       api: the public name, for errors.
       state: the module's non-parameter state (an ``nnx.State``), or None.
+      precision: a ``parallax.precision.Policy``: ``first``, every layer and ``last`` cast
+        their parameters and the micro-batch's floating leaves to its ``compute`` dtype
+        inside the function the runtime differentiates (so the gradients reach the stored
+        parameters through the cast, in their dtype), ``last``'s loss comes back in float32;
+        None: no casts.
+      scale: the loss scale ``last``'s loss is multiplied by (None: not scaled).
 
     Returns:
       A :class:`Program`.
@@ -271,6 +282,8 @@ def program(stages: Stages, params, rebuild: Callable, api: str, state=None) -> 
             leaves[i] = g
         return jax.tree.unflatten(p_def, leaves)
 
+    if precision is not None:
+        first, layer, last = _in_compute_dtype(first, layer, last, precision, scale)
     return Program(
         stacked=[p_leaves[i] for i in stacked_at],
         others=[p_leaves[i] for i in other_at],
@@ -281,4 +294,24 @@ def program(stages: Stages, params, rebuild: Callable, api: str, state=None) -> 
         stacked_state=[s_leaves[i] for i in state_stacked_at],
         others_state=[s_leaves[i] for i in state_other_at],
         state=state_tree,
+        reduce=precision.reduce if precision is not None else None,
     )
+
+
+def _in_compute_dtype(first, layer, last, policy, scale):
+    """``first``, ``layer`` and ``last`` computing in ``policy.compute`` (see :func:`program`).
+    Activations then travel between stages in that dtype; the runtime's gradient
+    accumulators keep float32 at least (``rings.wide``)."""
+
+    def first_c(others, others_state, mb):
+        return first(policy.to_compute(others), others_state, policy.to_compute(mb))
+
+    def layer_c(leaves, x, state_leaves):
+        return layer(policy.to_compute(leaves), x, state_leaves)
+
+    def last_c(others, others_state, x, mb):
+        loss, after = last(policy.to_compute(others), others_state, x, policy.to_compute(mb))
+        loss = loss.astype(jnp.float32)
+        return (loss if scale is None else loss * scale), after
+
+    return first_c, layer_c, last_c

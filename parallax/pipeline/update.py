@@ -126,6 +126,13 @@ def _stashed(loss, state, batch, settings: PipelineSettings, ctx):
             "inside the tick loop. Use weights='2bw' or 'flush' with data parallelism, or a "
             "mesh without those axes"
         )
+    policy = ctx.strategy.precision
+    if policy is not None:
+        raise ValueError(
+            f"{API}: px.Pipeline(weights='stashed') applies the optimizer inside the pipeline "
+            f"after every micro-batch, where the precision policy ({policy.describe()}) does "
+            "not reach (its stages compute in the parameters' dtype). Use weights='2bw' or "
+            "'flush' with px.MixedPrecision, or leave px.MixedPrecision out")
     parts = Target.of(state.model)
     if module_state.carries_state(parts):
         module_state.check(parts, StateOptions(), "px.Pipeline", "stashed")

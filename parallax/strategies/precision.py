@@ -8,11 +8,16 @@ the cast), the loss comes back in float32, the explicit style's cross-device gra
 runs in ``reduce`` and the gradients are returned in ``grads``. With ``loss_scale`` the
 loss is scaled by the optimizer's :func:`parallax.loss_scale.dynamic_loss_scale` state.
 
-What it does not do: the GSPMD style (``style="gspmd"``) leaves the gradient sum to XLA,
-which reduces in whatever dtype its partitioner chooses, so ``reduce`` applies to the
-explicit style only; a model that casts its parameters itself (``GPTConfig(dtype=...)``,
-``nnx.Linear(dtype=...)``) computes in its own dtype; ``px.Pipeline``'s runtime calls the
-stages itself, so the policy does not reach its forward pass (untested there).
+Under ``px.Pipeline`` the policy is applied to each stage's piece of the loss (compute
+dtype, activations sent in it, the stage-axis gradient sum in ``reduce``; see
+:func:`parallax.pipeline.stages.program`); ``weights="stashed"`` refuses it.
+
+What it does not do: the GSPMD style (``style="gspmd"``) leaves the gradient sum to XLA's
+partitioner, which all-reduces each weight-gradient matmul's partial result in that
+matmul's dtype (the compute dtype), before any cast parallax could place; so ``reduce``
+applies to the explicit style only (docs/mixed_precision.md). A model that casts its
+parameters itself (``GPTConfig(dtype=...)``, ``nnx.Linear(dtype=...)``) computes in its
+own dtype.
 
 References:
   Micikevicius et al., "Mixed Precision Training", ICLR 2018; DeepMind JMP
@@ -33,8 +38,8 @@ def MixedPrecision(params: str = "float32", compute: str = "bfloat16", grads: st
       params: storage dtype of the trained parameters (the master copy): checked.
       compute: dtype of the forward and backward passes.
       grads: dtype of the gradients ``px.value_and_grad`` returns.
-      reduce: dtype of the cross-device gradient sum (explicit style): ``"bfloat16"``
-        halves its bytes.
+      reduce: dtype of the cross-device gradient sum (explicit style; in a pipeline also
+        the stage-axis sum): ``"bfloat16"`` halves its bytes.
       loss_scale: ``"dynamic"`` or None; the default is dynamic for float16 compute (wrap
         the optimizer with ``px.dynamic_loss_scale``), None otherwise.
 

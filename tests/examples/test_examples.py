@@ -30,7 +30,8 @@ COVERED = {  # run (and checked against one device) by these tests
 }
 EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"],
          # px.metrics.Monitor's files, checked below: a log of each step and a trace
-         "gradient_accumulation.py": ["--logdir", "{tmp}/logs", "--profile-steps", "2:3"]}
+         "gradient_accumulation.py": ["--logdir", "{tmp}/logs", "--profile-steps", "2:3"],
+         "llama_long_context.py": ["--check", "--seq-len", "64"]}
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
 IN_PROCESS = [s for s in SCRIPTS if s not in LAUNCHED | OWN_PROCESS | set(COVERED)]
 

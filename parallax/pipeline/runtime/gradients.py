@@ -34,7 +34,7 @@ API = "px.pipeline.value_and_grad"
 
 def pipeline_grads(stages: Stages, params, rebuild: Callable, batch,
                    settings: PipelineSettings, *, api: str = API, trace: bool = False,
-                   state=None, run: StateRun | None = None):
+                   state=None, run: StateRun | None = None, precision=None, scale=None):
     """``(loss, grads)`` of ``stages`` on ``batch``, pipelined as ``settings`` say.
 
     With ``state`` (the module's non-parameter state; ``rebuild(params, state)`` then
@@ -42,8 +42,11 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch,
     ``(loss, grads, state_after)``. With ``trace``, also the action codes each stage
     ran at each tick, ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what
     executed, to compare with ``Schedule.as_arrays().kind``. ``api`` is named in errors.
+    ``precision`` (a ``parallax.precision.Policy``) and ``scale`` (the loss scale): the
+    stages compute in the policy's dtype (:func:`parallax.pipeline.stages.program`).
     """
-    prog, sched, layout = _prepare(stages, params, rebuild, batch, settings, api, state)
+    prog, sched, layout = _prepare(stages, params, rebuild, batch, settings, api, state,
+                                   precision=precision, scale=scale)
     _check_state_layers(prog, api)
     with context.manual((settings.axis,)):
         loss, d_stacked, d_others, *rest = ticks.execute(
@@ -58,13 +61,14 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch,
     return (loss, prog.grads(d_stacked, d_others), prog.state(s_new, o_new), *rest)
 
 
-def _prepare(stages, params, rebuild, batch, settings: PipelineSettings, api: str, state):
+def _prepare(stages, params, rebuild, batch, settings: PipelineSettings, api: str, state, *,
+             precision=None, scale=None):
     """What depends on the call, checked: ``(program, schedule, layout)`` for the runtime
     (the mesh's stage count, the batch's micro-batches, the model's layers)."""
     size = ticks.stage_count(settings.axis, None, api)
     sched = settings.schedule_on(size, api)
     check_microbatches(batch, sched.microbatches, api)
-    prog = program(stages, params, rebuild, api, state=state)
+    prog = program(stages, params, rebuild, api, state=state, precision=precision, scale=scale)
     return prog, sched, settings.layout(prog.stacked[0].shape[0], sched, api)
 
 

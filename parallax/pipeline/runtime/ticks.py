@@ -268,7 +268,9 @@ def _ticks(env: Env, x_like, table, opt, axis: str, trace: bool):
     x0 = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), slots["inbox"])
     (state, *_), codes = lax.scan(tick, (state, x0, x0), table)
     loss = lax.psum(state["loss"], axis) / M
-    d_others = [lax.psum(g, axis).astype(o.dtype) for g, o in zip(state["d_others"], env.others)]
+    reduce = env.prog.reduce  # a precision policy's reduce dtype, else the accumulators'
+    d_others = [lax.psum(g if reduce is None else g.astype(reduce), axis).astype(o.dtype)
+                for g, o in zip(state["d_others"], env.others)]
     if keep:  # the new weights instead of gradients, and the optimizer's new state
         out = (loss, state["live"], d_others, state["opt"])
     else:

@@ -3,7 +3,9 @@
 ``px.ContextParallel(axis, method)`` maps the activations' logical ``"sequence"`` dimension
 to ``axis``, so every layer but attention runs on ``T / n`` positions per device with no
 communication (GSPMD: parameters are replicated over the axis and their gradients summed
-over it). Attention needs every key: the models call :func:`parallax.attention.
+over it). It maps ``"length"`` there too: the name the models give the sequence of the
+attention heads and the MLP's hidden, which tensor parallelism keeps whole and context
+parallelism keeps split (so Megatron's layout gathers nothing over ``axis``). Attention needs every key: the models call :func:`parallax.attention.
 dot_product_attention`, which under this strategy opens a ``shard_map`` over ``axis`` and
 runs one of
 
@@ -214,7 +216,7 @@ def ContextParallel(axis: str = "context", method: str = "ring") -> Strategy:
         ``"all_gather"`` (K/V gathered per layer: ``O(T)`` keys per device, one collective).
 
     Returns:
-      A :class:`parallax.Strategy` mapping ``"sequence"`` to ``axis``.
+      A :class:`parallax.Strategy` mapping ``"sequence"`` and ``"length"`` to ``axis``.
 
     Raises:
       TypeError: ``axis`` is not a string.

@@ -28,6 +28,16 @@ import jax.numpy as jnp
 from parallax import context
 
 
+def _heads_axis(ctx) -> str | None:
+    """The one mesh axis the active strategy splits query heads over (automatic here)."""
+    axis = ctx.strategy.activation_rules.get("heads")
+    if isinstance(axis, tuple):
+        axis = axis[0] if len(axis) == 1 else None
+    if axis is None or axis in ctx.manual_axes:
+        return None
+    return axis
+
+
 def _split():
     """``(split, mesh)`` of the active step's context parallelism, or None."""
     ctx = context.current()
@@ -74,7 +84,8 @@ def dot_product_attention(
     found = _split()
     if found is not None:
         split, mesh = found
-        return split.attention(query, key, value, causal=causal, scale=scale, mesh=mesh)
+        return split.attention(query, key, value, causal=causal, scale=scale, mesh=mesh,
+                               heads_axis=_heads_axis(context.current()))
     return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=causal)
 
 

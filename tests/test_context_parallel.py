@@ -274,3 +274,60 @@ def test_llama_matches_one_device(method):
     whole = px.testing.relative_difference(jax.tree.leaves(jax.device_get(par.final_state)),
                                            jax.tree.leaves(jax.device_get(ref.final_state)))
     assert whole <= 1e-5, f"final state (params and optimizer) differs by {whole:.2e}"
+
+
+THREE_D = {"data": 2, "context": 2, "tensor": 2}
+OWN = {"all_gather", "reduce_scatter", "ppermute"}  # ContextParallel's own shard_map ops
+
+
+@functools.cache
+def compiled_3d(family, method):
+    """(mesh, program, config) of one step under data=2 x context=2 x tensor=2."""
+    from flax import nnx
+
+    if family == "llama":
+        config = px.models.LlamaConfig.tiny(max_seq_len=16)
+        make = lambda: px.TrainState.create(px.models.Llama(config, rngs=nnx.Rngs(0)),
+                                            fx.GPT_TX)
+    else:
+        config, make = CONFIG, fx.gpt_state
+    mesh, strategy = mesh_for(THREE_D), strategy_for(THREE_D, method)
+    state = jax.eval_shape(make)
+    batch = {"tokens": jax.ShapeDtypeStruct((B, config.max_seq_len + 1), jnp.int32)}
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        loss, grads = px.value_and_grad(px.models.next_token_loss)(state.model, batch)
+        return state.apply_gradients(grads), loss
+
+    return mesh, step.lower(state, batch).compile(), config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ring", "all_gather"])
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_context_with_tensor_moves_only_the_attention_messages(family, method):
+    """Under context x tensor parallelism no layer all-gathers an activation's sequence
+    over ``context`` (the heads and MLP hidden stay split by sequence), and the attention's
+    own messages carry each device's G/t key/value heads only: per layer, the all-gather
+    method gathers K and V twice and reduce-scatters their gradients once; the ring sends
+    3n - 2 blocks. What GSPMD still gathers over ``context`` runs once per step, outside
+    the layers (the logits and the embedding's and head's gradients, docs/context_parallel.md)."""
+    mesh, program, config = compiled_3d(family, method)
+    n, t, rows = THREE_D["context"], THREE_D["tensor"], B // THREE_D["data"]
+    seq, layers = config.max_seq_len, config.num_layers
+    groups = getattr(config, "num_kv_heads", config.num_heads)
+    full_kv = 2 * rows * seq * (groups // t) * config.head_dim * 4  # K and V, float32
+    found = [c for c in hlo.collectives(program, mesh) if c.axes == ("context",)]
+    own = [c for c in found if c.op_name.rsplit("/", 1)[-1] in OWN and c.count == layers]
+    gspmd = [c for c in found if c not in own and c.kind == "all-gather"]
+    assert all(c.count == 1 for c in gspmd), [(c.shapes, c.op_name) for c in gspmd
+                                               if c.count != 1]
+    if method == "all_gather":
+        assert (hlo.count(own, "all-gather"), hlo.total_bytes(own, "all-gather")) == (
+            2 * layers, 2 * layers * full_kv)
+        assert (hlo.count(own, "reduce-scatter"), hlo.total_bytes(own, "reduce-scatter")) \
+            == (layers, layers * full_kv)
+    else:
+        assert hlo.count(own, "all-gather") == 0
+        assert hlo.total_bytes(own, "collective-permute") == layers * (3 * n - 2) * full_kv // n

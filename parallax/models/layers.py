@@ -25,7 +25,7 @@ from parallax.rules import resolve_spec
 
 Initializer = nnx.initializers.Initializer
 Names = tuple[str | None, ...]
-HEADS = ("batch", None, "heads", "kv")  # sequence left whole: attention reads all of it
+HEADS = ("batch", "length", "heads", "kv")  # "length": whole under Megatron, split under CP
 
 
 def annotated_param(
@@ -290,4 +290,4 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = gather_sequence(x, ("batch", None, "embed"))
-        return self.proj(constrain(jax.nn.gelu(self.fc(x)), ("batch", None, "mlp")))
+        return self.proj(constrain(jax.nn.gelu(self.fc(x)), ("batch", "length", "mlp")))

@@ -25,7 +25,7 @@ from parallax.models.layers import HEADS, Dense, Names, annotated_param, gather_
 from parallax.models.rope import apply_rotary
 
 Initializer = nnx.initializers.Initializer
-KV_HEADS = ("batch", None, "kv_heads", "kv")
+KV_HEADS = ("batch", "length", "kv_heads", "kv")
 WHOLE_SEQUENCE = ("batch", None, "embed")
 
 
@@ -142,4 +142,4 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = gather_sequence(x, WHOLE_SEQUENCE)
         hidden = jax.nn.silu(self.gate(x)) * self.up(x)
-        return self.down(constrain(hidden, ("batch", None, "mlp")))
+        return self.down(constrain(hidden, ("batch", "length", "mlp")))

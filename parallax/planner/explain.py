@@ -48,17 +48,13 @@ REASONS = {
     "pipeline buffers": "the pipeline runtime's rings (received activations and gradients, "
                         "stashed residuals: their slots, plus a spare row where a write may "
                         "go nowhere) and accumulators",
-    "context gspmd": "GSPMD, not ContextParallel: a sharding constraint that keeps the "
-                     "sequence whole (tensor-parallel heads, the MLP's hidden, the logits) "
-                     "gathers it over the context axis, and a weight next to a gathered "
-                     "activation (embedding, output layer) gets its gradient whole; the labels' shift "
-                     "moves a few token ids",
+    "context gspmd": "GSPMD, not ContextParallel, once per step: the vocabulary-parallel "
+                     "logits' constraint keeps the sequence whole (gathered over the context "
+                     "axis), and a weight next to a gathered activation (embedding, output "
+                     "layer) gets its gradient whole; the labels' shift moves a few token ids",
     "context gradients": "GSPMD sums the gradients over the context axis itself: it may "
                          "gather an activation instead (embedding, output layer: then "
                          "that gradient is not all-reduced) or sum a leaf in two parts",
-    "context heads": "under tensor parallelism XLA gathers the K/V heads over the tensor "
-                     "axis too inside the all-gather attention (their split is lost at the "
-                     "stacked K, V), so these move t times the formula's bytes",
     "moe flops": "MoE: the experts compute E C slots per sequence (capacity_factor S k, "
                  "not S k) and GShard's dispatch and combine einsums are matmuls too; the "
                  "formula counts the k active experts per token",
@@ -202,9 +198,7 @@ def _traffic_rows(s: StepSetting, measured: dict, context_own: dict | None = Non
             rows.append(Row(TRAFFIC, f"{kind} over {_axes_text(axes)} (ContextParallel)",
                             p.message_bytes if p else None, m[1] if m else None,
                             how="; ".join(p.how) if p else "compiled program",
-                            reason=REASONS["context heads"] if p and m and kind != "collective-permute"
-                            and s.context_method == "all_gather" and s.tensor > 1 else
-                            "" if p and m else "not in the formulas" if m else
+                            reason="" if p and m else "not in the formulas" if m else
                             "not in the compiled program"))
     return rows
 

@@ -3,7 +3,9 @@
 ``px.ContextParallel(axis, method)`` maps the activations' logical ``"sequence"`` dimension
 to ``axis``, so every layer but attention runs on ``T / n`` positions per device with no
 communication (GSPMD: parameters are replicated over the axis and their gradients summed
-over it). Attention needs every key: the models call :func:`parallax.attention.
+over it). It maps ``"length"`` there too: the name the models give the sequence of the
+attention heads and the MLP's hidden, which tensor parallelism keeps whole and context
+parallelism keeps split (so Megatron's layout gathers nothing over ``axis``). Attention needs every key: the models call :func:`parallax.attention.
 dot_product_attention`, which under this strategy opens a ``shard_map`` over ``axis`` and
 runs one of
 
@@ -73,18 +75,22 @@ class ContextSplit:
                 "(next_token_loss takes tokens [batch, length + 1]).")
         return context_zigzag.positions(length, n)
 
-    def _map(self, fn, in_specs, out_specs):
+    def _map(self, fn, in_specs, out_specs, heads_axis=None):
         # jax.checkpoint: the partial evaluation that lax.scan runs over a scanned layer
         # (to hoist loop invariants) would otherwise split this shard_map, and the residuals
         # of a shard_map nested in the step's (manual over the batch axes) get a sharding
         # jax 0.10 cannot lower ("manual axes must come before free axes"). Under remat
         # nothing inside is kept as a residual; the forward still runs once.
-        nesting.check({self.axis}, API, "Compose ContextParallel with the batch and tensor "
+        manual = frozenset({self.axis} | ({heads_axis} if heads_axis else set()))
+        nesting.check(manual, API, "Compose ContextParallel with the batch and tensor "
                       "axes only (pipelines are not yet supported).")
         return jax.checkpoint(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
-                                            axis_names=frozenset({self.axis})))
+                                            axis_names=manual))
 
-    def attention(self, query, key, value, *, causal: bool, scale, mesh: Mesh):
+    def attention(self, query, key, value, *, causal: bool, scale, mesh: Mesh,
+                  heads_axis: str | None = None):
+        """``heads_axis``: the mesh axis the step splits the query heads over (tensor
+        parallelism), or None."""
         n = self.ways(mesh)
         length = query.shape[1]
         self.order(length, mesh, "parallax.attention.dot_product_attention")
@@ -102,11 +108,18 @@ class ContextSplit:
         pos = context_zigzag.positions(length, n)
         local = functools.partial(gathered_attention, axis=self.axis, positions=pos,
                                   causal=causal, scale=scale)
-        fwd = self._map(local, (seq,) * 3, seq)
+        # Under tensor parallelism the map is manual over the heads' axis too, each device
+        # holding its H/t query heads and the G/t key/value heads they read (a local slice
+        # where K/V are replicated over that axis): left automatic, XLA gathers the heads
+        # over it before the all-gather over the context axis (t times the bytes).
+        heads_axis = heads_axis if _splits_heads(heads_axis, mesh, query, key) else None
+        if heads_axis is not None:
+            seq = PartitionSpec(None, self.axis, heads_axis)
+        fwd = self._map(local, (seq,) * 3, seq, heads_axis)
         # The backward recomputes the local attention (one more all-gather of K and V)
         # rather than keeping the gathered K and V (O(T) per layer) as residuals.
         bwd = self._map(lambda q, k, v, d: jax.vjp(local, q, k, v)[1](d), (seq,) * 4,
-                        (seq,) * 3)
+                        (seq,) * 3, heads_axis)
         return _with_vjp(lambda q, k, v: (fwd(q, k, v), (q, k, v)),
                          lambda res, d_out: bwd(*res, d_out))(query, key, value)
 
@@ -141,6 +154,13 @@ class ContextSplit:
                     "supported (a pipeline stage would run the ring inside the pipeline's "
                     "own shard_map); compose ContextParallel with DataParallel, FSDP/ZeRO "
                     "and TensorParallel, or pipeline without it.")
+
+
+def _splits_heads(heads_axis, mesh: Mesh, query, key) -> bool:
+    """Whether the attention's map can be manual over ``heads_axis``: both the query heads
+    H and the key/value heads G divide over it (else the heads stay automatic)."""
+    t = int(mesh.shape.get(heads_axis, 1)) if heads_axis else 1
+    return t > 1 and query.shape[2] % t == 0 and key.shape[2] % t == 0
 
 
 def _with_vjp(forward, backward):
@@ -196,7 +216,7 @@ def ContextParallel(axis: str = "context", method: str = "ring") -> Strategy:
         ``"all_gather"`` (K/V gathered per layer: ``O(T)`` keys per device, one collective).
 
     Returns:
-      A :class:`parallax.Strategy` mapping ``"sequence"`` to ``axis``.
+      A :class:`parallax.Strategy` mapping ``"sequence"`` and ``"length"`` to ``axis``.
 
     Raises:
       TypeError: ``axis`` is not a string.
@@ -219,6 +239,6 @@ def ContextParallel(axis: str = "context", method: str = "ring") -> Strategy:
         raise ValueError(f"{API}: method={method!r} must be one of {METHODS}.")
     return Strategy(
         name=f"ContextParallel({axis!r}, method={method!r})",
-        rules=(("sequence", axis),),
+        rules=(("sequence", axis), ("length", axis)),
         sequence_split=ContextSplit(axis, method),
     )

@@ -33,7 +33,7 @@ from parallax.tf.cross_device_ops import CollectiveAllReduce, CrossDeviceOps
 from parallax.tf.distributed_input import (
     DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext)
 from parallax.tf.extended import StrategyExtended
-from parallax.tf.replica_context import cross_replica_scope, current_scope
+from parallax.tf.replica_context import check_call, cross_replica_scope, current_scope
 from parallax.tf.values import Mirrored, PerReplica
 
 
@@ -234,16 +234,8 @@ class MirroredStrategy:
           (8, 1)
         """
         api = f"{self.API}.run"
-        if not callable(fn):
-            raise TypeError(f"{api}: fn must be callable (the replica function, e.g. "
-                            f"train_step); got {type(fn).__name__}: {fn!r}.")
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"{api}: args must be a tuple or list of arguments; got "
-                            f"{type(args).__name__} (wrap a single argument: args=(x,)).")
-        kwargs = {} if kwargs is None else kwargs
-        if not isinstance(kwargs, dict):
-            raise TypeError(f"{api}: kwargs must be a dict of keyword arguments or None; got "
-                            f"{type(kwargs).__name__}.")
+        kwargs = check_call(api, "fn", "(the replica function, e.g. train_step)", fn, args,
+                            kwargs)
         sig, per_replica, broadcast, state, nodes = replica_program.signature_of(
             self, fn, args, kwargs, functools.partial(self._place, api))
         outputs, new_state, flags, facts = replica_program.replica_program(

@@ -182,21 +182,36 @@ class ReplicaContext:
           TensorFlow, ``tf.distribute.ReplicaContext.merge_call``.
         """
         api = "px.tf.ReplicaContext.merge_call"
-        if not callable(merge_fn):
-            raise TypeError(f"{api}: merge_fn must be callable as merge_fn(strategy, *args, "
-                            f"**kwargs); got {type(merge_fn).__name__}: {merge_fn!r}.")
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"{api}: args must be a tuple or list; got "
-                            f"{type(args).__name__} (wrap a single argument: args=(x,)).")
+        kwargs = check_call(api, "merge_fn", "as merge_fn(strategy, *args, **kwargs)",
+                            merge_fn, args, kwargs)
         if self.strategy is None:
             raise ValueError(
                 f"{api}: called outside any strategy (the default replica context), where "
                 "TensorFlow passes its default strategy; parallax has none to pass. Run the "
                 "function under a strategy: px.tf.OneDeviceStrategy('cpu:0').run(fn) for one "
                 "device.")
-        args, kwargs = wrap(self, (tuple(args), dict(kwargs or {})))
+        args, kwargs = wrap(self, (tuple(args), kwargs))
         with merging(self.strategy):
             return unwrap(merge_fn(self.strategy, *args, **kwargs))
+
+
+def check_call(api: str, name: str, how: str, fn, args, kwargs) -> dict:
+    """Checks a function and its ``args`` / ``kwargs`` (``run``, ``merge_call``).
+
+    Returns:
+      ``kwargs`` as a dict (``{}`` for None).
+    """
+    if not callable(fn):
+        raise TypeError(f"{api}: {name} must be callable {how}; got "
+                        f"{type(fn).__name__}: {fn!r}.")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"{api}: args must be a tuple or list of arguments; got "
+                        f"{type(args).__name__} (wrap a single argument: args=(x,)).")
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"{api}: kwargs must be a dict of keyword arguments or None; got "
+                        f"{type(kwargs).__name__}.")
+    return kwargs
 
 
 _DEFAULT = ReplicaContext()

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
             return state.apply_gradients(grads), {"loss": loss}
 
         state = px.init(make, mesh, strategy)
-        compiled = step.lower(state, data[0]).compile()
+        compiled = step.compile(state, data[0])  # the training below runs this program
         sent = tensor_traffic.measured_traffic(compiled, mesh, args.batch // (n // tensor))
         found = tensor_traffic.tensor_collectives(compiled, mesh)
         per_layer = [c for c in found if c.in_loop]

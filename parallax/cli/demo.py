@@ -127,7 +127,7 @@ def run(strategy: str = "dp+fsdp+tp", steps: int = 30, batch: int = 16,
     state, losses = resumed or (init(make_state, mesh, composed), [])
     resumed_from = len(losses) if resumed else None
     rows = process_slice(batch, mesh, composed)  # this process's share (all rows in one)
-    compiled = step.lower(state, _share(data[0], rows)).compile()
+    compiled = step.compile(state, _share(data[0], rows))  # the loop runs this program
     monitor = metrics.Monitor.for_compiled(
         compiled, items_per_step=batch * config.max_seq_len, logdir=logdir,
         profile_steps=profile_steps, progress=progress,

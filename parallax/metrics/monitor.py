@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from parallax.metrics.profiling import Profiler, parse_steps
-from parallax.metrics.throughput import StepMetrics, Throughput
+from parallax.metrics.throughput import StepMetrics, Throughput, compile_step
 from parallax.metrics.writers import MetricsLog
 
 DEFAULT_PROFILE_DIR = "parallax-logs"
@@ -122,12 +122,12 @@ class Monitor:
                  meter_options: Mapping[str, Any] | None = None, **options: Any) -> Monitor:
         """A monitor for ``step`` compiled for ``args``.
 
-        This compiles ``step`` here: a ``px.train_step``'s ``lower`` builds its own
-        ``jax.jit``, so its first call compiles once more. Where a model formula gives the
+        This compiles ``step`` here (:func:`~parallax.metrics.throughput.compile_step`: a
+        ``px.train_step``'s later calls run that program). Where a model formula gives the
         FLOPs (``px.models.flops_per_token``), ``Monitor(items_per_step=..., flops_per_step=...)``
         compiles nothing.
         """
-        return cls.for_compiled(step.lower(*args).compile(), items_per_step=items_per_step,
+        return cls.for_compiled(compile_step(step, *args), items_per_step=items_per_step,
                                 flops_per_step=flops_per_step, meter_options=meter_options,
                                 **options)
 

@@ -107,10 +107,10 @@ class Throughput:
                  **kwargs: Any) -> Throughput:
         """A meter whose FLOPs and memory peak are read from ``step`` compiled for ``args``.
 
-        ``step`` is a ``@px.train_step`` (or ``jax.jit``) function; it is lowered and
-        compiled once here (JAX reuses that compilation when the loop calls it).
+        ``step`` is a ``@px.train_step`` (or ``jax.jit``) function, compiled here by
+        :func:`compile_step`.
         """
-        return cls.for_compiled(step.lower(*args).compile(), items_per_step=items_per_step,
+        return cls.for_compiled(compile_step(step, *args), items_per_step=items_per_step,
                                 flops_per_step=flops_per_step, **kwargs)
 
     @classmethod
@@ -194,6 +194,15 @@ class Throughput:
         rows.append(("memory peak / device", f"{s['memory_peak_bytes'] / 2**20:,.1f} MiB"))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def compile_step(step, *args: Any):
+    """``step`` compiled for ``args``: a ``px.train_step``'s ``compile``, whose program its
+    later calls run (compiled once), else ``step.lower(*args).compile()`` (a ``jax.jit``
+    function then compiles again on its first call: jax keeps the two caches apart)."""
+    if hasattr(step, "compile"):
+        return step.compile(*args)
+    return step.lower(*args).compile()
 
 
 def _program_devices(compiled) -> int:

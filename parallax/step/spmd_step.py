@@ -25,7 +25,8 @@ class TrainStep:
     created in (``px.init``) and comes back in the strategy's layout, donated (updated in
     place); the batch is split over the strategy's batch axes. ``lower(...)`` returns
     ``jax.jit``'s ``Lowered`` so the compiled program can be inspected
-    (``.compile().as_text()``, ``.memory_analysis()``).
+    (``.compile().as_text()``, ``.memory_analysis()``); ``compile(...)`` returns the
+    compiled program and the calls that fit it then run it, compiled once.
 
     A call costs what ``jax.jit``'s dispatch costs and almost nothing of parallax's own: the
     jitted function is built once, ``jax.jit``'s C++ cache keys each call on the arguments'
@@ -46,6 +47,7 @@ class TrainStep:
         self._local_signature = None  # this process's batch shapes, last checked
         self._donated = None  # the last state donated: its buffers are deleted
         self._last_shapes: dict | None = None  # the batch's shapes at the last good trace
+        self._compiled = None  # the program compile() made: calls that fit it run it
         # The state keeps its own (committed) shardings on the way in, and is constrained to
         # the strategy's layout on the way out; every batch leaf gets the one batch sharding.
         self._jitted = jax.jit(
@@ -102,8 +104,10 @@ class TrainStep:
         if self._multiprocess:
             batch = self._assemble(batch)
         try:
-            with jax.set_mesh(self.mesh):
-                out = self._jitted(state, batch, *args)
+            out = self._run_compiled(state, batch, *args)
+            if out is None:
+                with jax.set_mesh(self.mesh):
+                    out = self._jitted(state, batch, *args)
         except (TypeError, ValueError) as error:
             # jit checks the arguments against their shardings before tracing, with
             # messages about pjit; parallax's own checks say what is wrong and the fix.
@@ -112,6 +116,17 @@ class TrainStep:
         if self.donate and out[0] is not state:  # a real program returns new buffers
             self._donated = state
         return self._finite(out) if self.check_finite else out
+
+    def _run_compiled(self, state, batch, *args):
+        """The outputs of the program :meth:`compile` made, or None when the arguments do
+        not fit it (other shapes, dtypes, shardings or structure: jax checks them before
+        running anything, so nothing is donated), and ``jit``'s path runs instead."""
+        if self._compiled is None:
+            return None
+        try:
+            return self._compiled(state, batch, *args)
+        except (TypeError, ValueError):
+            return None
 
     def _assemble(self, batch):
         """The global batch from this process's share. The processes' shapes are compared
@@ -165,6 +180,17 @@ class TrainStep:
         )
         with jax.set_mesh(self.mesh):
             return jitted.lower(state, batch, *args)
+
+    def compile(self, state, batch, *args):
+        """``lower(...).compile()``, and the step's later calls on arguments of the same
+        shapes, dtypes and shardings run this program instead of compiling it again.
+
+        ``lower(...).compile()`` alone gives the same program, but jax keeps it apart from
+        the cache a call uses, so the first call would compile it a second time: use this
+        to inspect the compiled program (``memory_analysis()``, its HLO) and then train.
+        """
+        self._compiled = self.lower(state, batch, *args).compile()
+        return self._compiled
 
     def __repr__(self) -> str:
         return (f"px.train_step({getattr(self.fn, '__name__', 'step')}, "

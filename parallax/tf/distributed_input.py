@@ -13,7 +13,11 @@ per-replica batches it yields, one per local replica in turn; a last, short grou
 remaining replicas empty, as TensorFlow does.
 
 Any Python iterable works (a list, a generator function's result, a ``tf.data.Dataset``
-through ``.as_numpy_iterator()``, a Grain loader); it is iterated afresh each epoch.
+through ``.as_numpy_iterator()``, a Grain loader); it is iterated afresh each epoch. A
+:class:`~parallax.tf.Dataset` carries an auto-sharding policy, applied over several workers
+(:mod:`parallax.tf.auto_shard`, :mod:`parallax.tf.worker_input`); ``InputOptions``
+(:mod:`parallax.tf.input_options`) choose per-replica pipelines and how many steps are split
+ahead.
 
 References:
   TensorFlow ``tf.distribute.Strategy.experimental_distribute_dataset``,
@@ -125,7 +129,9 @@ class DistributedDataset:
 
     Attributes:
       strategy: the strategy whose replicas receive the rows.
-      dataset: an iterable of global batches (pytrees of arrays, leading dim = batch).
+      dataset: an iterable of global batches (pytrees of arrays, leading dim = batch), or a
+        :class:`~parallax.tf.Dataset`, sharded over several workers by its policy.
+      options: the :class:`~parallax.tf.InputOptions` (None: split each batch when asked).
 
     Example:
       >>> import parallax as px
@@ -186,6 +192,8 @@ class DistributedDatasetsFromFunction:
       strategy: the strategy.
       dataset_fn: ``dataset_fn(InputContext) -> iterable`` of per-replica batches (batch
         size ``ctx.get_per_replica_batch_size(global_batch)``).
+      options: the :class:`~parallax.tf.InputOptions`; ``PER_REPLICA`` calls ``dataset_fn``
+        once per replica, as TensorFlow's ``MirroredStrategy`` does.
 
     Each step takes the next element for each of this worker's replicas, in replica order.
     As in TensorFlow (``input_lib.py``, ``_get_value_or_dummy``), elements may be shorter than

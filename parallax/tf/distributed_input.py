@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -252,7 +253,7 @@ class DistributedDatasetsFromFunction:
         n = self.strategy.num_replicas_in_sync
         iterators = [iter(self.dataset_fn(InputContext(n, i, n)))
                      for i in self.strategy.local_replica_ids()]
-        for index in range(1 << 62):
+        for index in itertools.count():
             group = [next(it, None) for it in iterators]
             if all(e is None for e in group):
                 return

@@ -160,7 +160,7 @@ class DistributedDataset:
             yield from self._split(api, self.dataset)
             return
         num_workers, worker = worker_input.workers_of(self.strategy)
-        policy = self.dataset.policy(num_workers)
+        policy = self.dataset.policy
         elements = self.dataset.elements_for_worker(api, num_workers, worker)
         if num_workers == 1:
             yield from self._split(api, elements)
@@ -261,7 +261,7 @@ class DistributedDatasetsFromFunction:
                 None if e is None else global_batch_rows(api, e, index) for e in group])
 
     def _distribute(self, api: str, local: int, group: list):
-        """One step: ``group[i]`` is local replica ``i``'s ``(element, rows)``, or None (no data)."""
+        """One step: ``group[i]`` is local replica ``i``'s ``(element, rows)``, or None."""
         elements = [g[0] for g in group if g is not None]
         rows = tuple(0 if g is None else g[1] for g in group)
         trailing = [jax.tree.map(lambda a: (a.shape[1:], a.dtype), e) for e in elements]

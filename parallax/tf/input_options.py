@@ -38,7 +38,8 @@ class InputReplicationMode(enum.Enum):
 
     Members:
       PER_WORKER: one pipeline per worker process; its replicas take turns reading it.
-      PER_REPLICA: one pipeline per replica (``MirroredStrategy.distribute_datasets_from_function``).
+      PER_REPLICA: one pipeline per replica (``MirroredStrategy``'s
+        ``distribute_datasets_from_function``).
 
     Example:
       >>> InputReplicationMode["PER_REPLICA"].value
@@ -68,7 +69,8 @@ class InputOptions:
       >>> strategy = px.tf.MirroredStrategy()
       >>> options = px.tf.InputOptions(experimental_per_replica_buffer_size=2)
       >>> batches = [np.full((8,), i, np.float32) for i in range(3)]
-      >>> [float(b.values[0][0]) for b in strategy.experimental_distribute_dataset(batches, options)]
+      >>> distributed = strategy.experimental_distribute_dataset(batches, options)
+      >>> [float(b.values[0][0]) for b in distributed]
       [0.0, 1.0, 2.0]
 
     References:
@@ -103,7 +105,8 @@ class InputOptions:
                 raise TypeError(f"{api}: {name} must be a bool; got {getattr(self, name)!r}.")
 
 
-def check_options(api: str, options, *, from_function: bool, multi_worker: bool) -> InputOptions | None:
+def check_options(api: str, options, *, from_function: bool,
+                  multi_worker: bool) -> InputOptions | None:
     """``options`` validated for one distribute method: TF's rules first, then parallax's.
 
     Args:

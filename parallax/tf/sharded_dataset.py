@@ -161,9 +161,9 @@ class Dataset:
         sizes = [s[1] for s in self.steps if s[0] == "batch"]
         return sizes[-1] if sizes else None
 
-    def policy(self, num_workers: int) -> AutoShardPolicy:
-        """The policy that applies over ``num_workers`` workers (AUTO resolved)."""
-        del num_workers
+    @property
+    def policy(self) -> AutoShardPolicy:
+        """The policy that applies (AUTO resolved: FILE for a file-based dataset, else DATA)."""
         return auto_shard.resolve(self.distribute_options.auto_shard_policy,
                                   self.files is not None)
 
@@ -176,7 +176,7 @@ class Dataset:
         FILE: its files only; HINT: the ``SHARD_HINT`` steps become ``shard(W, worker)``;
         DATA, OFF: everything (DATA's share of each batch is taken later, by the split).
         """
-        policy = self.policy(num_workers)
+        policy = self.policy
         if self.files is None:
             elements = iter(self.source)
         else:

@@ -16,8 +16,9 @@ Two shapes of input, after :mod:`parallax.tf.auto_shard`'s policies:
   batches, and ``PerReplica.rows`` holds the true counts.
 
 References:
-  TensorFlow ``tensorflow/python/distribute/input_lib.py`` (``_create_cloned_datasets_from_dataset``,
-  ``_make_rebatch_fn``, ``_get_next_as_optional`` with ``_calculate_replicas_with_values``).
+  TensorFlow ``tensorflow/python/distribute/input_lib.py``
+  (``_create_cloned_datasets_from_dataset``, ``_make_rebatch_fn``, ``_get_next_as_optional``
+  with ``_calculate_replicas_with_values``).
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ def test_file_policy_matches_tensorflows_batch_sizes_for_worker_example():
 
 def test_auto_is_file_for_files_and_data_otherwise():
     by_files = files_dataset(["a", "b", "c"], 1)
-    assert by_files.policy(2) is px.tf.AutoShardPolicy.FILE
+    assert by_files.policy is px.tf.AutoShardPolicy.FILE
     assert [e.tolist() for e in by_files.elements_for_worker(API, 2, 1)] == [["b0"]]
-    assert px.tf.Dataset.from_iterable([1, 2]).policy(2) is px.tf.AutoShardPolicy.DATA
+    assert px.tf.Dataset.from_iterable([1, 2]).policy is px.tf.AutoShardPolicy.DATA
     assert [e.tolist() for e in by_files.elements_for_worker(API, 1, 0)] == [["a0"], ["b0"],
                                                                            ["c0"]]
 

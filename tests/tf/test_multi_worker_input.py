@@ -1,4 +1,4 @@
-"""Auto-sharding under ``parallax launch -np 2``: each worker gets TF's rows; training equals one process."""
+"""Auto-sharding under ``parallax launch -np 2``: TF's rows per worker, training as one process."""
 
 import json
 import re

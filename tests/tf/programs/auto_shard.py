@@ -1,4 +1,4 @@
-"""Launched with 2 processes x 2 devices: DATA and FILE auto-sharding on MultiWorkerMirroredStrategy.
+"""Launched with 2 processes x 2 devices: auto-sharding on MultiWorkerMirroredStrategy.
 
     parallax launch -np 2 --devices-per-process 2 python tests/tf/programs/auto_shard.py
 

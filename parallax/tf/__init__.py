@@ -6,14 +6,18 @@ its ``ClusterCoordinator`` (on Ray). See ``docs/tf.md``.
 """
 
 # The mirrored strategies.
+from parallax.tf.auto_shard import SHARD_HINT as SHARD_HINT
+from parallax.tf.auto_shard import AutoShardPolicy as AutoShardPolicy
 from parallax.tf.cross_device_ops import CollectiveAllReduce as CollectiveAllReduce
 from parallax.tf.cross_device_ops import CrossDeviceOps as CrossDeviceOps
 from parallax.tf.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
 from parallax.tf.cross_device_ops import NcclAllReduce as NcclAllReduce
 from parallax.tf.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from parallax.tf.distributed_input import InputContext as InputContext
-from parallax.tf.extended import StrategyExtended as StrategyExtended
 from parallax.tf.distributed_input import ValueContext as ValueContext
+from parallax.tf.extended import StrategyExtended as StrategyExtended
+from parallax.tf.input_options import InputOptions as InputOptions
+from parallax.tf.input_options import InputReplicationMode as InputReplicationMode
 from parallax.tf.losses import compute_average_loss as compute_average_loss
 from parallax.tf.losses import scale_regularization_loss as scale_regularization_loss
 from parallax.tf.mirrored import MirroredStrategy as MirroredStrategy
@@ -25,6 +29,8 @@ from parallax.tf.reduce_op import ReduceOp as ReduceOp
 from parallax.tf.replica_context import ReplicaContext as ReplicaContext
 from parallax.tf.replica_context import get_replica_context as get_replica_context
 from parallax.tf.replica_context import in_cross_replica_context as in_cross_replica_context
+from parallax.tf.sharded_dataset import Dataset as Dataset
+from parallax.tf.sharded_dataset import DatasetOptions as DatasetOptions
 from parallax.tf.values import Mirrored as Mirrored
 from parallax.tf.values import PerReplica as PerReplica
 from parallax.tf.values import VariableAggregation as VariableAggregation

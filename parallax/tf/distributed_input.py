@@ -13,7 +13,11 @@ per-replica batches it yields, one per local replica in turn; a last, short grou
 remaining replicas empty, as TensorFlow does.
 
 Any Python iterable works (a list, a generator function's result, a ``tf.data.Dataset``
-through ``.as_numpy_iterator()``, a Grain loader); it is iterated afresh each epoch.
+through ``.as_numpy_iterator()``, a Grain loader); it is iterated afresh each epoch. A
+:class:`~parallax.tf.Dataset` carries an auto-sharding policy, applied over several workers
+(:mod:`parallax.tf.auto_shard`, :mod:`parallax.tf.worker_input`); ``InputOptions``
+(:mod:`parallax.tf.input_options`) choose per-replica pipelines and how many steps are split
+ahead.
 
 References:
   TensorFlow ``tf.distribute.Strategy.experimental_distribute_dataset``,
@@ -24,13 +28,18 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-from parallax.tf import partial_batches
+from parallax.tf import partial_batches, worker_input
+from parallax.tf.auto_shard import AutoShardPolicy
+from parallax.tf.input_options import InputOptions, InputReplicationMode
+from parallax.tf.sharded_dataset import Dataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +130,9 @@ class DistributedDataset:
 
     Attributes:
       strategy: the strategy whose replicas receive the rows.
-      dataset: an iterable of global batches (pytrees of arrays, leading dim = batch).
+      dataset: an iterable of global batches (pytrees of arrays, leading dim = batch), or a
+        :class:`~parallax.tf.Dataset`, sharded over several workers by its policy.
+      options: the :class:`~parallax.tf.InputOptions` (None: split each batch when asked).
 
     Example:
       >>> import parallax as px
@@ -137,12 +148,33 @@ class DistributedDataset:
 
     strategy: Any
     dataset: Iterable
+    options: InputOptions | None = None
 
     def __iter__(self) -> Iterator:
+        return worker_input.prefetched(self._batches(), _buffer_size(self.options))
+
+    def _batches(self) -> Iterator:
         api = "px.tf.MirroredStrategy.experimental_distribute_dataset"
+        rows_of = functools.partial(global_batch_rows, api)
+        if not isinstance(self.dataset, Dataset):
+            yield from self._split(api, self.dataset)
+            return
+        num_workers, worker = worker_input.workers_of(self.strategy)
+        policy = self.dataset.policy
+        elements = self.dataset.elements_for_worker(api, num_workers, worker)
+        if num_workers == 1:
+            yield from self._split(api, elements)
+        elif policy is AutoShardPolicy.DATA:
+            yield from worker_input.data_sharded(self.strategy, elements, rows_of, api)
+        else:
+            yield from worker_input.per_worker_stream(self.strategy, elements, rows_of,
+                                                      self.dataset.batch_size, api)
+
+    def _split(self, api: str, batches: Iterable) -> Iterator:
+        """Every worker reads the same global batches and takes its replicas' rows."""
         n = self.strategy.num_replicas_in_sync
         global_batch = None
-        for index, element in enumerate(self.dataset):
+        for index, element in enumerate(batches):
             element, rows = global_batch_rows(api, element, index)
             if global_batch is None:  # TF reads it from the dataset's batch(): the first one
                 global_batch = rows
@@ -161,6 +193,8 @@ class DistributedDatasetsFromFunction:
       strategy: the strategy.
       dataset_fn: ``dataset_fn(InputContext) -> iterable`` of per-replica batches (batch
         size ``ctx.get_per_replica_batch_size(global_batch)``).
+      options: the :class:`~parallax.tf.InputOptions`; ``PER_REPLICA`` calls ``dataset_fn``
+        once per replica, as TensorFlow's ``MirroredStrategy`` does.
 
     Each step takes the next element for each of this worker's replicas, in replica order.
     As in TensorFlow (``input_lib.py``, ``_get_value_or_dummy``), elements may be shorter than
@@ -186,10 +220,18 @@ class DistributedDatasetsFromFunction:
 
     strategy: Any
     dataset_fn: Callable
+    options: InputOptions | None = None
 
     def __iter__(self) -> Iterator:
+        return worker_input.prefetched(self._steps(), _buffer_size(self.options))
+
+    def _steps(self) -> Iterator:
         api = "px.tf.MirroredStrategy.distribute_datasets_from_function"
         local = self.strategy.num_local_replicas
+        if (self.options is not None and self.options.experimental_replication_mode
+                is InputReplicationMode.PER_REPLICA):
+            yield from self._per_replica(api, local)
+            return
         iterator = iter(self.dataset_fn(self.strategy.input_context()))
         index = 0
         while True:
@@ -201,11 +243,27 @@ class DistributedDatasetsFromFunction:
                     break
             if not group:
                 return
-            yield self._distribute(api, local, group)
+            yield self._distribute(api, local, group + [None] * (local - len(group)))
+
+    def _per_replica(self, api: str, local: int) -> Iterator:
+        """One pipeline per replica (TF's ``PER_REPLICA``): replica ``i`` reads pipeline ``i``.
+
+        The step runs while any pipeline has an element; the others get empty batches.
+        """
+        n = self.strategy.num_replicas_in_sync
+        iterators = [iter(self.dataset_fn(InputContext(n, i, n)))
+                     for i in self.strategy.local_replica_ids()]
+        for index in itertools.count():
+            group = [next(it, None) for it in iterators]
+            if all(e is None for e in group):
+                return
+            yield self._distribute(api, local, [
+                None if e is None else global_batch_rows(api, e, index) for e in group])
 
     def _distribute(self, api: str, local: int, group: list):
-        elements = [e for e, _ in group]
-        rows = tuple(r for _, r in group) + (0,) * (local - len(group))
+        """One step: ``group[i]`` is local replica ``i``'s ``(element, rows)``, or None."""
+        elements = [g[0] for g in group if g is not None]
+        rows = tuple(0 if g is None else g[1] for g in group)
         trailing = [jax.tree.map(lambda a: (a.shape[1:], a.dtype), e) for e in elements]
         if any(t != trailing[0] for t in trailing):
             odd = next(t for t in trailing if t != trailing[0])
@@ -227,8 +285,12 @@ class DistributedDatasetsFromFunction:
         def pad(a):  # zero rows after the real ones, as TF's empty dummy batches are zeros
             return np.pad(a, [(0, width - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
-        padded_elements = [jax.tree.map(pad, e) for e in elements]
-        padded_elements += [jax.tree.map(np.zeros_like, padded_elements[0])] * (
-            local - len(elements))
+        empty = jax.tree.map(lambda a: np.zeros((width,) + a.shape[1:], a.dtype), elements[0])
+        padded_elements = [empty if g is None else jax.tree.map(pad, g[0]) for g in group]
         return jax.tree.map(lambda *xs: self.strategy.distribute_local_components(
             np.stack(xs), padded), *padded_elements)
+
+
+def _buffer_size(options: InputOptions | None) -> int:
+    """Steps prefetched: the option's, or 0 without options (split each batch when asked)."""
+    return 0 if options is None else options.experimental_per_replica_buffer_size

@@ -33,6 +33,7 @@ from parallax.tf.cross_device_ops import CollectiveAllReduce, CrossDeviceOps
 from parallax.tf.distributed_input import (
     DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext)
 from parallax.tf.extended import StrategyExtended
+from parallax.tf.input_options import check_options
 from parallax.tf.replica_context import check_call, cross_replica_scope, current_scope
 from parallax.tf.values import Mirrored, PerReplica
 
@@ -396,31 +397,61 @@ class MirroredStrategy:
             global batch). Split as TensorFlow splits them (:mod:`parallax.tf.partial_batches`):
             a partial last batch, or a global batch that does not divide, gives the replicas
             different numbers of rows, padded for the one program.
-          options: accepted for TensorFlow compatibility; must be None.
+            A :class:`~parallax.tf.Dataset` carries its auto-sharding policy
+            (:mod:`parallax.tf.auto_shard`): over several workers it is sharded by it.
+          options: a :class:`~parallax.tf.InputOptions` (:mod:`parallax.tf.input_options`:
+            which values parallax honours), or None.
 
         Returns:
           A :class:`~parallax.tf.distributed_input.DistributedDataset` yielding pytrees of
           ``PerReplica`` values.
+
+        Raises:
+          NotImplementedError: ``PER_REPLICA`` replication (TensorFlow's rule).
+          ValueError: an option value parallax cannot honour.
         """
-        _no_options(f"{self.API}.experimental_distribute_dataset", options)
-        return DistributedDataset(self, dataset)
+        options = self._check_options("experimental_distribute_dataset", options, False)
+        return DistributedDataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable, options=None):
         """Builds this worker's input pipeline with ``dataset_fn(InputContext)``.
 
         Args:
           dataset_fn: returns an iterable of per-replica batches.
-          options: accepted for TensorFlow compatibility; must be None.
+          options: a :class:`~parallax.tf.InputOptions`, or None. With
+            ``experimental_replication_mode=PER_REPLICA`` (``MirroredStrategy`` only, as in
+            TF) ``dataset_fn`` is called once per replica, with
+            ``InputContext(num_replicas, replica_id, num_replicas)``.
 
         Returns:
           A :class:`~parallax.tf.distributed_input.DistributedDatasetsFromFunction`.
+
+        Raises:
+          NotImplementedError: ``PER_REPLICA`` on ``MultiWorkerMirroredStrategy`` (TF's rule).
+          ValueError: TF's placement rules; an option value parallax cannot honour.
+
+        Example:
+          >>> import numpy as np, parallax as px
+          >>> strategy = px.tf.MirroredStrategy()
+          >>> options = px.tf.InputOptions(
+          ...     experimental_replication_mode=px.tf.InputReplicationMode.PER_REPLICA)
+          >>> def dataset_fn(ctx):                  # one pipeline per replica
+          ...     return [np.full((2,), ctx.input_pipeline_id, np.float32)]
+          >>> batch = next(iter(strategy.distribute_datasets_from_function(dataset_fn, options)))
+          >>> batch.values[5].tolist()
+          [5.0, 5.0]
         """
         api = f"{self.API}.distribute_datasets_from_function"
-        _no_options(api, options)
+        options = self._check_options("distribute_datasets_from_function", options, True)
         if not callable(dataset_fn):
             raise TypeError(f"{api}: dataset_fn must be callable as dataset_fn(input_context); "
                             f"got {type(dataset_fn).__name__}.")
-        return DistributedDatasetsFromFunction(self, dataset_fn)
+        return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+    def _check_options(self, method: str, options, from_function: bool):
+        # MultiWorkerMirroredStrategy's mesh is (worker, replica); TF refuses PER_REPLICA there.
+        return check_options(f"{self.API}.{method}", options, from_function=from_function,
+                             multi_worker=self.replica_axes[0] == "worker")
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> PerReplica:
         """A ``PerReplica`` value whose component ``i`` is ``value_fn(ValueContext(i, n))``.
@@ -436,12 +467,6 @@ class MirroredStrategy:
         n = self.num_replicas_in_sync
         parts = [value_fn(ValueContext(i, n)) for i in self.local_replica_ids()]
         return jax.tree.map(lambda *xs: self.distribute_local_components(np.stack(xs)), *parts)
-
-
-def _no_options(api: str, options) -> None:
-    if options is not None:
-        raise ValueError(f"{api}: options={options!r} is not supported (tf.distribute."
-                         "InputOptions has no counterpart: prefetching is the iterable's own).")
 
 
 def get_strategy() -> MirroredStrategy:

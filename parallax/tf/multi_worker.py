@@ -14,7 +14,8 @@ GPU, gloo on CPU). Every process runs the same program:
     with strategy.scope(): ...                         # as with MirroredStrategy
 
 Input: ``experimental_distribute_dataset`` expects every worker to iterate the same global
-batches and sends only its own replicas' rows (TF's ``AutoShardPolicy.DATA``);
+batches and sends only its own replicas' rows (a plain iterable), or auto-shards a
+:class:`~parallax.tf.Dataset` by its ``AutoShardPolicy`` (:mod:`parallax.tf.auto_shard`);
 ``distribute_datasets_from_function`` gives each worker an ``InputContext`` with its
 ``input_pipeline_id`` to shard its files by. ``experimental_local_results`` returns this
 worker's replicas; ``reduce`` and ``gather`` return values every worker can read.

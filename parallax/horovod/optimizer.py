@@ -42,10 +42,12 @@ from jax import lax
 from parallax import comm, context
 from parallax.comm import checks
 from parallax.distributed import local_arrays
-from parallax.horovod import gradient_groups
+from parallax.horovod import gradient_groups, optimizer_sets
+from parallax.horovod import process_sets as sets
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.collectives import AXIS
 from parallax.horovod.per_rank import PerRank
+from parallax.horovod.process_sets import global_process_set
 from parallax.horovod.ranks import per_process
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
 from parallax.strategies.sync import SYNC_ALGORITHMS
@@ -85,10 +87,18 @@ def _mode(grads, axis_name: str) -> str:
 
 
 def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes: int,
-            axis_name: str, algorithm: str, groups=None):
-    """The gradients reduced over the ranks as ``op`` says (mean for Average)."""
+            axis_name: str, algorithm: str, groups=None, ranks=None):
+    """The gradients reduced over the ranks (or the process set ``ranks``) as ``op`` says."""
+    if mode == "strategy" and ranks is not None:
+        raise ValueError(
+            f"{API}: process_set= inside px.train_step, whose strategy has already averaged "
+            "the gradients over every rank of its batch axes; run the step with @hvd.jit "
+            "(the set's replica groups) or call update eagerly.")
     if mode == "strategy" or (mode == "eager" and jax.device_count() == 1):
         return grads  # reduced by the strategy already, or one rank
+    if ranks is not None:
+        return optimizer_sets.reduce(grads, mode, op, wire, predivide, fusion_bytes,
+                                     axis_name, groups, ranks)
     # eagerly a process's gradient stands for each of its K ranks (parallax.horovod.ranks)
     leaves, treedef = jax.tree.flatten(grads)
     if op is ReduceOp.Adasum:
@@ -151,7 +161,7 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups=None, *,
+                         groups=None, process_set=global_process_set, *,
                          fusion_bytes: int = FUSION_BYTES, algorithm: str = "xla",
                          axis_name: str = AXIS) -> optax.GradientTransformation:
     """Wraps ``tx`` so that its updates use the gradients averaged over every rank.
@@ -171,6 +181,12 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       groups: lists of parameter paths (``jax.tree_util.keystr``) reduced together; each
         other parameter is a group of its own (Horovod's ``groups``;
         :mod:`parallax.horovod.gradient_groups`). Eager and Adasum reductions ignore groups.
+      process_set: the ranks whose gradients are averaged (Horovod >= 0.23); a rank
+        outside it steps with its own gradient and makes no collective call, as in Horovod
+        (inside ``@hvd.jit`` it runs the program but sits alone in the all-reduce's replica
+        groups, so its parameters differ from the members': keep them in ``hvd.PerRank``).
+        Average divides by the set's size. Not with ``op=hvd.Adasum`` nor a point-to-point
+        ``algorithm`` (:mod:`parallax.horovod.optimizer_sets`).
       fusion_bytes: bucket capacity of the fused all-reduce (Horovod's fusion threshold).
       algorithm: how each bucket is summed inside a program: ``"xla"`` (XLA's all-reduce:
         NCCL on GPU, ICI on TPU, gloo on CPU) or ``"tree"``, ``"ring"``, ``"auto"``
@@ -230,10 +246,12 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
                          "be > 0, and other than 1 only with op=hvd.Average.")
 
     gradient_groups.check(num_groups, groups)
+    optimizer_sets.check(API, process_set, op, algorithm)
 
     def reduce(grads):
         return _reduce(grads, _mode(grads, axis_name), op, wire, factor, fusion_bytes,
-                       axis_name, algorithm, gradient_groups.assign(grads, num_groups, groups))
+                       axis_name, algorithm, gradient_groups.assign(grads, num_groups, groups),
+                       sets.members(API, process_set))
 
     def init_fn(params):
         accumulated = PerRank(jax.tree.map(jnp.zeros_like, params)) if k > 1 else ()

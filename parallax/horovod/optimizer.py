@@ -45,7 +45,7 @@ from parallax.distributed import local_arrays
 from parallax.horovod import gradient_groups, optimizer_sets
 from parallax.horovod import process_sets as sets
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
-from parallax.horovod.collectives import AXIS
+from parallax.horovod.collectives import AXIS, eager_reduce
 from parallax.horovod.per_rank import PerRank
 from parallax.horovod.process_sets import global_process_set
 from parallax.horovod.ranks import per_process
@@ -123,10 +123,7 @@ def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes
                     summed[i] = o
     else:
         ranks = jax.device_count()
-        sent = [np.asarray(g).astype(wire.wire_dtype(g.dtype)) for g in scaled]
-        wide = [wire.accumulate_dtype(g.dtype) for g in scaled]
-        summed = _eager_rows(("sum", tuple(wide), tuple(g.dtype for g in scaled),
-                              per_process()), sent)
+        summed = _eager_fused_sum(scaled, wire)
     if op is ReduceOp.Average:
         summed = [s * (predivide / ranks) for s in summed]
     return jax.tree.unflatten(treedef, summed)
@@ -136,18 +133,30 @@ def _adasum_rows(rows, copies):
     return [adasum_stack(jnp.repeat(r, copies, axis=0)) for r in rows]  # one row per rank
 
 
-def _sum_rows(rows, wide, out, copies):
-    return [(jnp.sum(r.astype(w), axis=0) * copies).astype(o)
-            for r, w, o in zip(rows, wide, out)]
+def _eager_fused_sum(leaves, wire) -> list:
+    """Eagerly, every rank's sum of each leaf: one flat buffer per dtype (Horovod's fusion
+    buffer) summed by ``hvd.allreduce``'s eager program, which announces it, so processes
+    that called ``hvd.join()`` take part with zeros (:mod:`parallax.horovod.join`)."""
+    counts = (per_process(),) * jax.process_count()
+    by_dtype: dict = {}
+    for i, g in enumerate(leaves):
+        by_dtype.setdefault(np.dtype(g.dtype), []).append(i)
+    out = list(leaves)
+    for indices in by_dtype.values():
+        flat = np.concatenate([np.asarray(leaves[i]).reshape(-1) for i in indices])
+        total = np.asarray(eager_reduce(API, flat, ReduceOp.Sum, wire, counts))
+        offset = 0
+        for i in indices:
+            size = int(np.size(leaves[i]))
+            out[i] = jnp.asarray(total[offset:offset + size].reshape(np.shape(leaves[i])))
+            offset += size
+    return out
 
 
 @functools.cache
 def _jitted(kind: tuple):
     """One jitted program per kind (jit caches by function identity)."""
-    if kind[0] == "adasum":
-        return jax.jit(functools.partial(_adasum_rows, copies=kind[1]),
-                       out_shardings=local_arrays.replicated())
-    return jax.jit(functools.partial(_sum_rows, wide=kind[1], out=kind[2], copies=kind[3]),
+    return jax.jit(functools.partial(_adasum_rows, copies=kind[1]),
                    out_shardings=local_arrays.replicated())
 
 

@@ -14,8 +14,8 @@ from tests.distributed.launching import run_launcher
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 PROGRAM = "tests/horovod/programs/collectives.py"
-CHECKS = 33  # "ok ..." lines each rank prints with one device per process
-CHECKS_SEVERAL_DEVICES = 29  # eager alltoall refused: 1 check instead of 5
+CHECKS = 34  # "ok ..." lines each rank prints with one device per process
+CHECKS_SEVERAL_DEVICES = 30  # eager alltoall refused: 1 check instead of 5
 
 
 def assert_horovod_agrees(text: str, ranks: int, train: bool, devices: int = 1) -> None:

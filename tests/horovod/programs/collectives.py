@@ -154,27 +154,50 @@ def process_set_alltoall():
 
 
 def process_set_optimizer():
-    """Eagerly, DistributedOptimizer(process_set=) averages over the set's processes only:
-    its members train on their rows together, a process outside it on its own rows."""
+    """DistributedOptimizer(process_set=) averages over the set's ranks only, eagerly and
+    inside @hvd.jit: its members train on their rows together, a rank outside it on its own
+    rows (eagerly a process; in the program each device)."""
     members = sorted({1, SIZE - 1})
     ps = hvd.add_process_set([p * K + i for p in members for i in range(K)])
     rng = np.random.default_rng(9)
     x = rng.standard_normal((4 * SIZE, 3)).astype(np.float32)
     y = rng.standard_normal((4 * SIZE, 1)).astype(np.float32)
-    mine = np.concatenate([np.arange(4 * p, 4 * p + 4)
-                           for p in (members if RANK in members else [RANK])])
     loss = lambda w, xb, yb: jnp.mean((xb @ w - yb) ** 2)  # noqa: E731
     grad = jax.jit(jax.grad(loss))
-    w_ref = w = jnp.zeros((3, 1))
-    ref_tx, tx = optax.adam(0.1), hvd.DistributedOptimizer(optax.adam(0.1), process_set=ps)
-    ref_state, state = ref_tx.init(w_ref), tx.init(w)
+
+    def one_process(rows):  # plain adam on one process, 3 steps on x[rows]
+        w, ref_tx = jnp.zeros((3, 1)), optax.adam(0.1)
+        state = ref_tx.init(w)
+        for _ in range(3):
+            updates, state = ref_tx.update(grad(w, x[rows], y[rows]), state)
+            w = optax.apply_updates(w, updates)
+        return w
+
+    set_rows = np.concatenate([np.arange(4 * p, 4 * p + 4) for p in members])
+    own = np.arange(4 * RANK, 4 * RANK + 4)
+    tx = hvd.DistributedOptimizer(optax.adam(0.1), process_set=ps)
+    w = jnp.zeros((3, 1))
+    state = tx.init(w)
     for _ in range(3):
-        updates, ref_state = ref_tx.update(grad(w_ref, x[mine], y[mine]), ref_state)
-        w_ref = optax.apply_updates(w_ref, updates)
-        own = slice(4 * RANK, 4 * RANK + 4)
         updates, state = tx.update(grad(w, x[own], y[own]), state, w)
         w = optax.apply_updates(w, updates)
-    check("DistributedOptimizer process set eager", w, w_ref, rtol=1e-6)
+    check("DistributedOptimizer process set eager", w,
+          one_process(set_rows if RANK in members else own), rtol=1e-6)
+
+    @hvd.jit
+    def step(mine, batch):  # inside the program: the set's replica groups, across processes
+        w, state = mine.value
+        updates, state = tx.update(jax.grad(loss)(w, batch["x"], batch["y"]), state, w)
+        return hvd.PerRank((optax.apply_updates(w, updates), state))
+
+    mine = hvd.PerRank((jnp.zeros((3, 1)), tx.init(jnp.zeros((3, 1)))))
+    for _ in range(3):  # this process's 4 rows, split over its K ranks
+        mine = step(mine, {"x": x[own], "y": y[own]})
+    shards = sorted(mine.value[0].addressable_shards, key=lambda s: s.index[0].start)
+    per_device = 4 // K  # a rank outside the set trains on its device's rows alone
+    check("DistributedOptimizer process set in @hvd.jit", [np.asarray(s.data)[0] for s in shards],
+          [one_process(set_rows if RANK in members else own[i * per_device:(i + 1) * per_device])
+           for i in range(K)], rtol=1e-6)
     hvd.remove_process_set(ps)
 
 

@@ -37,7 +37,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
         process set's size); by default equal parts.
       name: accepted for Horovod's signature.
       process_set: the ranks taking part; ``tensor`` holds one part per member. Inside a
-        program every rank runs it and a rank outside the set gets its tensor back; eagerly
+        program every rank runs it and a rank outside the set gets its tensor back (with
+        ``splits``, zeros and counts 0: :mod:`parallax.horovod.uneven`); eagerly
         only the members call it, and a non-member's call raises ``ValueError`` (Horovod's
         "Rank ... is not a member of the provided process set").
       axis_name: the mesh axis of the ranks inside a program (equal parts only there).
@@ -66,8 +67,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
     if in_program(api, tensor, axis_name):
         if splits is not None:
             if ranks is not None:
-                raise NotImplementedError(f"{api}: splits= with a process set inside a "
-                                          "program is not yet supported.")
+                return uneven.alltoall_splits_set(api, tensor, splits, ranks, axis_name)
             return uneven.alltoall_splits(api, tensor, splits, axis_name)
         if ranks is None:
             return comm.all_to_all(tensor, axis_name, split_dim=0, concat_dim=0)

@@ -10,8 +10,11 @@ gradient of the global batch. Where it runs decides how it reduces:
   bucket is summed by ``parallax.comm``'s point-to-point exchanges instead of XLA's
   all-reduce, which is faster on CPU clusters over gloo: see ``docs/distributed.md``), or
   Adasum's pairwise rounds;
-- eagerly, on process-local gradients: one jitted program over the processes' rows, each
-  standing for the process's K ranks (one per device, :mod:`parallax.horovod.ranks`);
+- eagerly, on process-local gradients: one flat buffer per dtype (Horovod's fusion buffer)
+  reduced by ``hvd.allreduce``'s program over the processes' rows, each standing for the
+  process's K ranks (one per device, :mod:`parallax.horovod.ranks`); a process that called
+  ``hvd.join()`` follows it with zeros;
+- with ``process_set=``, over the set's ranks only (:mod:`parallax.horovod.optimizer_sets`);
 - inside ``px.train_step``: the strategy (``px.DataParallel``, ZeRO, ...) has already
   averaged the gradients over the batch axes, so only the local accumulation below applies.
 

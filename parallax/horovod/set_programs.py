@@ -65,6 +65,7 @@ def gather_bytes(value: np.ndarray, mesh: Mesh) -> np.ndarray:
 
 
 def exchange(chunks: np.ndarray, mesh: Mesh) -> np.ndarray:
-    """``chunks[j]`` goes to member ``j``; returns ``[members, ...]``: row ``s`` from member ``s``."""
+    """``chunks[j]`` goes to member ``j``; returns ``[members, ...]``, row ``s`` from member
+    ``s``."""
     out = _program("exchange", mesh)(stack(local_arrays.as_bytes(chunks), mesh))
     return local_arrays.from_bytes(local_arrays.local_copy(out)[0], chunks.dtype, chunks.shape)

@@ -3,8 +3,10 @@
 Inside ``@hvd.jit`` it is XLA's all-to-all over the Horovod axis (with ``splits=``, padded
 blocks and the true sizes: :mod:`parallax.horovod.uneven`; with a process set, the members'
 parts picked from one all-gather). Eagerly (process-local values, one device per process)
-every process's parts travel in one jitted program, ``splits=`` included.
-"""
+the parts travel in one jitted program over the processes' devices, ``splits=`` included;
+with a process set that program spans the set's processes only
+(:mod:`parallax.horovod.set_programs`), so, as in Horovod, only the members call it and a
+non-member's call raises."""
 
 from __future__ import annotations
 
@@ -12,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import multihost_utils
 
 from parallax import comm
 from parallax.distributed import local_arrays
-from parallax.horovod import eager, uneven
+from parallax.horovod import set_programs, uneven
 from parallax.horovod import process_sets as sets
 from parallax.horovod.collectives import in_program
 from parallax.horovod.process_sets import global_process_set
@@ -32,15 +33,20 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
 
     Args:
       tensor: this rank's array.
-      splits: rows sent to each rank (length ``size()``); by default equal parts.
+      splits: rows sent to each rank of the set, in rank order (length ``size()``, or the
+        process set's size); by default equal parts.
       name: accepted for Horovod's signature.
-      process_set: the ranks taking part: ``tensor`` holds one part per member (inside a
-        program; a rank outside the set gets its tensor back). Eagerly only the global set.
+      process_set: the ranks taking part; ``tensor`` holds one part per member. Inside a
+        program every rank runs it and a rank outside the set gets its tensor back (with
+        ``splits``, zeros and counts 0: :mod:`parallax.horovod.uneven`); eagerly
+        only the members call it, and a non-member's call raises ``ValueError`` (Horovod's
+        "Rank ... is not a member of the provided process set").
       axis_name: the mesh axis of the ranks inside a program (equal parts only there).
 
     Returns:
-      The received array; with ``splits``, ``(received, received_splits)`` as Horovod's
-      (inside a program one padded block per sender: :mod:`parallax.horovod.uneven`).
+      The received array; with ``splits``, ``(received, received_splits)`` as Horovod
+      0.21+ returns them (``received_splits[i]``: the rows the set's ``i``-th rank sent here;
+      inside a program one padded block per sender: :mod:`parallax.horovod.uneven`).
 
     Example:
       >>> import numpy as np, parallax.horovod as hvd
@@ -51,7 +57,9 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
       ``@hvd.jit``.)
 
     References:
-      ``MPI_Alltoallv``; Horovod ``alltoall``.
+      ``MPI_Alltoallv``; Horovod's ``alltoall`` (horovod/torch/mpi_ops.py: ``splits`` and the
+      returned ``received_splits``; horovod/common/operations.cc ``EnqueueTensorAlltoall``:
+      one split per rank of the process set, non-members refused).
     """
     del name
     api = "hvd.alltoall"
@@ -59,16 +67,11 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
     if in_program(api, tensor, axis_name):
         if splits is not None:
             if ranks is not None:
-                raise NotImplementedError(f"{api}: splits= with a process set inside a "
-                                          "program is not yet supported.")
+                return uneven.alltoall_splits_set(api, tensor, splits, ranks, axis_name)
             return uneven.alltoall_splits(api, tensor, splits, axis_name)
         if ranks is None:
             return comm.all_to_all(tensor, axis_name, split_dim=0, concat_dim=0)
         return jax.tree.map(lambda x: _alltoall_set(api, x, ranks, axis_name), tensor)
-    if ranks is not None:
-        raise NotImplementedError(f"{api}: process_set= on process-local arrays is not yet "
-                                  "supported; call it inside @hvd.jit (each device a rank).")
-    x = np.asarray(tensor)
     if per_process() > 1:
         first = jax.process_index() * per_process()
         raise ValueError(
@@ -76,32 +79,43 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
             f"({per_process()} devices), and each of them would receive different parts, "
             "which one process-local result cannot hold. Call hvd.alltoall inside @hvd.jit "
             "(each device is a rank there), or run one device per process.")
-    count, me = jax.process_count(), jax.process_index()
+    processes = tuple(range(jax.process_count())) if ranks is None else ranks
+    if jax.process_index() not in processes:  # Horovod: a non-member's call is an error
+        raise ValueError(
+            f"{api}: rank {jax.process_index()} is not a member of the process set "
+            f"{list(processes)}; as in Horovod, only the set's ranks call a collective on it "
+            "(with one part, or split, for each of the set's ranks).")
+    out, received = _eager(api, tensor, splits, processes)
+    return out if splits is None else (out, received)
+
+
+def _eager(api: str, tensor, splits, processes: tuple[int, ...]):
+    """Eager alltoall among ``processes`` (one rank each): a program on their devices only."""
+    x = np.asarray(tensor)
+    count, me = len(processes), processes.index(jax.process_index())
+    within = "" if count == jax.process_count() else f" (the process set {list(processes)})"
     if splits is None:
         if np.ndim(x) == 0 or x.shape[0] % count:
             raise ValueError(f"{api}: the first dimension of shape {x.shape} does not split "
-                             f"into {count} equal parts; pass splits=[rows for each rank].")
+                             f"into {count} equal parts{within}; pass splits=[rows for each "
+                             "rank].")
         sent = np.full(count, x.shape[0] // count, np.int64)
     else:
         sent = np.asarray(splits, np.int64).reshape(-1)
         if sent.shape != (count,) or (sent < 0).any() or sent.sum() != x.shape[0]:
-            raise ValueError(f"{api}: splits={sent.tolist()} must be {count} counts >= 0 "
-                             f"adding up to the first dimension {x.shape[0]}.")
-    matrix = np.asarray(multihost_utils.process_allgather(sent)).reshape(count, count)
+            raise ValueError(f"{api}: splits={sent.tolist()} must be {count} counts >= 0, one "
+                             f"per rank{within}, adding up to the first dimension "
+                             f"{x.shape[0]}.")
+    where = set_programs.members_mesh(processes)
+    matrix = set_programs.gather_bytes(sent, where)  # [source, destination]
     width = max(int(matrix.max()), 1)
     chunks = np.zeros((count, width) + x.shape[1:], x.dtype)
     starts = np.concatenate([[0], np.cumsum(sent)])
     for j in range(count):
         chunks[j, : sent[j]] = x[starts[j]:starts[j + 1]]
-    # rows [source, destination, width, ...] -> [destination, source, ...], split by destination
-    mine = local_arrays.local_copy(eager.by_destination()(local_arrays.stack(
-        local_arrays.as_bytes(chunks))))[0]
-    mine = local_arrays.from_bytes(mine, x.dtype, (count, width) + x.shape[1:])
+    mine = set_programs.exchange(chunks, where)  # [source, width, ...]
     received = np.concatenate([mine[s, : matrix[s, me]] for s in range(count)])
-    out = local_arrays.like(received, tensor)
-    if splits is None:
-        return out
-    return out, matrix[:, me].copy()
+    return local_arrays.like(received, tensor), matrix[:, me].copy()
 
 
 def _alltoall_set(api: str, x, ranks, axis_name: str):

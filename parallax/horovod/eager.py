@@ -82,9 +82,3 @@ def reduce_on_host(api: str, sent: np.ndarray, op: ReduceOp, wide,
               ReduceOp.Max: np.max, ReduceOp.Product: np.prod}[op]
     return reduce(every, axis=0)
 
-
-@functools.cache
-def by_destination():
-    """Rows ``[source, destination, ...]`` -> ``[destination, source, ...]``, split by destination."""
-    return jax.jit(lambda rows: jnp.swapaxes(rows, 0, 1), out_shardings=jax.sharding.NamedSharding(
-        local_arrays.process_mesh(), jax.P(local_arrays.PROCESS)))

@@ -13,12 +13,19 @@ leave. The header is one extra small collective per eager allreduce (none in one
 
 What differs from Horovod, and why:
 
-- Eager only. Inside ``@hvd.jit`` every rank runs every step of one SPMD program, so no rank
-  can stop early; there, give each rank a weight (0 for a rank without data) and multiply
-  its gradient by it, which is what join's zeros amount to.
-- While a process has joined, the others may call ``hvd.allreduce`` and
-  ``hvd.grouped_allreduce`` on the global process set only (Horovod's join also covers
-  allreduce only, in its PyTorch API); another collective then raises on the joined process.
+- Eager only, and refused inside ``@hvd.jit`` (``ValueError``). Join's defining act, a rank
+  leaving the collectives while the others go on, has no SPMD form: one program is a fixed
+  sequence of collectives that every rank runs. A per-rank ``active`` flag gives join's
+  *numbers* (``hvd.allreduce(grad * active)``: the zeros of the ranks without data, divided
+  by ``size()``; the last rank with data: ``hvd.allreduce(jnp.where(active, hvd.rank(),
+  -1), op=hvd.Max)``, tested against eager join's numbers in tests/horovod/test_basics.py),
+  but an ``hvd.join(active=)`` would have to change what every later ``hvd.allreduce`` of the
+  trace means, so the flag stays explicit in the step.
+- While a process has joined, the others may call ``hvd.allreduce``,
+  ``hvd.grouped_allreduce`` and the eager ``DistributedOptimizer.update`` (Average or Sum; its
+  gradients travel as one flat buffer per dtype through ``hvd.allreduce``'s program) on the
+  global process set only (Horovod's join also covers allreduce only, in its PyTorch API);
+  another collective then raises on the joined process.
 - The unit is a process: with K devices per process, a process joins for its K ranks, and
   ``join`` returns the first rank of the process that joined last (ties: the highest).
 
@@ -90,8 +97,13 @@ def join(device: int = -1) -> int:
     if AXIS in checks.available_axes():
         raise ValueError(
             "hvd.join: called inside a program over the Horovod axis; every rank runs every "
-            "step of one SPMD program, so none can leave early. Call hvd.join() eagerly after "
-            "the loop, or give each rank a weight (0 without data) and scale its gradient.")
+            "step of one SPMD program, so none can leave early. Eagerly: run the steps outside "
+            "@hvd.jit (tx.update of hvd.DistributedOptimizer, hvd.allreduce or "
+            "hvd.grouped_allreduce on this process's gradients) and call hvd.join() after its "
+            "last batch. Inside @hvd.jit: pass each rank an active flag (0 without data) and "
+            "reduce hvd.allreduce(grad * active) (join's zeros, divided by hvd.size()); the "
+            "last rank with data is hvd.allreduce(jnp.where(active, hvd.rank(), -1), "
+            "op=hvd.Max).")
     if jax.process_count() == 1:
         return 0
     joined_at = _ROUNDS[0]

@@ -10,8 +10,11 @@ gradient of the global batch. Where it runs decides how it reduces:
   bucket is summed by ``parallax.comm``'s point-to-point exchanges instead of XLA's
   all-reduce, which is faster on CPU clusters over gloo: see ``docs/distributed.md``), or
   Adasum's pairwise rounds;
-- eagerly, on process-local gradients: one jitted program over the processes' rows, each
-  standing for the process's K ranks (one per device, :mod:`parallax.horovod.ranks`);
+- eagerly, on process-local gradients: one flat buffer per dtype (Horovod's fusion buffer)
+  reduced by ``hvd.allreduce``'s program over the processes' rows, each standing for the
+  process's K ranks (one per device, :mod:`parallax.horovod.ranks`); a process that called
+  ``hvd.join()`` follows it with zeros;
+- with ``process_set=``, over the set's ranks only (:mod:`parallax.horovod.optimizer_sets`);
 - inside ``px.train_step``: the strategy (``px.DataParallel``, ZeRO, ...) has already
   averaged the gradients over the batch axes, so only the local accumulation below applies.
 
@@ -42,10 +45,12 @@ from jax import lax
 from parallax import comm, context
 from parallax.comm import checks
 from parallax.distributed import local_arrays
-from parallax.horovod import gradient_groups
+from parallax.horovod import gradient_groups, optimizer_sets
+from parallax.horovod import process_sets as sets
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
-from parallax.horovod.collectives import AXIS
+from parallax.horovod.collectives import AXIS, eager_reduce
 from parallax.horovod.per_rank import PerRank
+from parallax.horovod.process_sets import global_process_set
 from parallax.horovod.ranks import per_process
 from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
 from parallax.strategies.sync import SYNC_ALGORITHMS
@@ -85,10 +90,18 @@ def _mode(grads, axis_name: str) -> str:
 
 
 def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes: int,
-            axis_name: str, algorithm: str, groups=None):
-    """The gradients reduced over the ranks as ``op`` says (mean for Average)."""
+            axis_name: str, algorithm: str, groups=None, ranks=None):
+    """The gradients reduced over the ranks (or the process set ``ranks``) as ``op`` says."""
+    if mode == "strategy" and ranks is not None:
+        raise ValueError(
+            f"{API}: process_set= inside px.train_step, whose strategy has already averaged "
+            "the gradients over every rank of its batch axes; run the step with @hvd.jit "
+            "(the set's replica groups) or call update eagerly.")
     if mode == "strategy" or (mode == "eager" and jax.device_count() == 1):
         return grads  # reduced by the strategy already, or one rank
+    if ranks is not None:
+        return optimizer_sets.reduce(grads, mode, op, wire, predivide, fusion_bytes,
+                                     axis_name, groups, ranks)
     # eagerly a process's gradient stands for each of its K ranks (parallax.horovod.ranks)
     leaves, treedef = jax.tree.flatten(grads)
     if op is ReduceOp.Adasum:
@@ -113,10 +126,7 @@ def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes
                     summed[i] = o
     else:
         ranks = jax.device_count()
-        sent = [np.asarray(g).astype(wire.wire_dtype(g.dtype)) for g in scaled]
-        wide = [wire.accumulate_dtype(g.dtype) for g in scaled]
-        summed = _eager_rows(("sum", tuple(wide), tuple(g.dtype for g in scaled),
-                              per_process()), sent)
+        summed = _eager_fused_sum(scaled, wire)
     if op is ReduceOp.Average:
         summed = [s * (predivide / ranks) for s in summed]
     return jax.tree.unflatten(treedef, summed)
@@ -126,18 +136,30 @@ def _adasum_rows(rows, copies):
     return [adasum_stack(jnp.repeat(r, copies, axis=0)) for r in rows]  # one row per rank
 
 
-def _sum_rows(rows, wide, out, copies):
-    return [(jnp.sum(r.astype(w), axis=0) * copies).astype(o)
-            for r, w, o in zip(rows, wide, out)]
+def _eager_fused_sum(leaves, wire) -> list:
+    """Eagerly, every rank's sum of each leaf: one flat buffer per dtype (Horovod's fusion
+    buffer) summed by ``hvd.allreduce``'s eager program, which announces it, so processes
+    that called ``hvd.join()`` take part with zeros (:mod:`parallax.horovod.join`)."""
+    counts = (per_process(),) * jax.process_count()
+    by_dtype: dict = {}
+    for i, g in enumerate(leaves):
+        by_dtype.setdefault(np.dtype(g.dtype), []).append(i)
+    out = list(leaves)
+    for indices in by_dtype.values():
+        flat = np.concatenate([np.asarray(leaves[i]).reshape(-1) for i in indices])
+        total = np.asarray(eager_reduce(API, flat, ReduceOp.Sum, wire, counts))
+        offset = 0
+        for i in indices:
+            size = int(np.size(leaves[i]))
+            out[i] = jnp.asarray(total[offset:offset + size].reshape(np.shape(leaves[i])))
+            offset += size
+    return out
 
 
 @functools.cache
 def _jitted(kind: tuple):
     """One jitted program per kind (jit caches by function identity)."""
-    if kind[0] == "adasum":
-        return jax.jit(functools.partial(_adasum_rows, copies=kind[1]),
-                       out_shardings=local_arrays.replicated())
-    return jax.jit(functools.partial(_sum_rows, wide=kind[1], out=kind[2], copies=kind[3]),
+    return jax.jit(functools.partial(_adasum_rows, copies=kind[1]),
                    out_shardings=local_arrays.replicated())
 
 
@@ -151,7 +173,7 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups=None, *,
+                         groups=None, process_set=global_process_set, *,
                          fusion_bytes: int = FUSION_BYTES, algorithm: str = "xla",
                          axis_name: str = AXIS) -> optax.GradientTransformation:
     """Wraps ``tx`` so that its updates use the gradients averaged over every rank.
@@ -171,6 +193,12 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       groups: lists of parameter paths (``jax.tree_util.keystr``) reduced together; each
         other parameter is a group of its own (Horovod's ``groups``;
         :mod:`parallax.horovod.gradient_groups`). Eager and Adasum reductions ignore groups.
+      process_set: the ranks whose gradients are averaged (Horovod >= 0.23); a rank
+        outside it steps with its own gradient and makes no collective call, as in Horovod
+        (inside ``@hvd.jit`` it runs the program but sits alone in the all-reduce's replica
+        groups, so its parameters differ from the members': keep them in ``hvd.PerRank``).
+        Average divides by the set's size. Not with ``op=hvd.Adasum`` nor a point-to-point
+        ``algorithm`` (:mod:`parallax.horovod.optimizer_sets`).
       fusion_bytes: bucket capacity of the fused all-reduce (Horovod's fusion threshold).
       algorithm: how each bucket is summed inside a program: ``"xla"`` (XLA's all-reduce:
         NCCL on GPU, ICI on TPU, gloo on CPU) or ``"tree"``, ``"ring"``, ``"auto"``
@@ -230,10 +258,12 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
                          "be > 0, and other than 1 only with op=hvd.Average.")
 
     gradient_groups.check(num_groups, groups)
+    optimizer_sets.check(API, process_set, op, algorithm)
 
     def reduce(grads):
         return _reduce(grads, _mode(grads, axis_name), op, wire, factor, fusion_bytes,
-                       axis_name, algorithm, gradient_groups.assign(grads, num_groups, groups))
+                       axis_name, algorithm, gradient_groups.assign(grads, num_groups, groups),
+                       sets.members(API, process_set))
 
     def init_fn(params):
         accumulated = PerRank(jax.tree.map(jnp.zeros_like, params)) if k > 1 else ()

@@ -21,7 +21,10 @@ Where it runs decides how a subset is reached:
   multi-controller rule: every process runs each program), so every process of the job makes
   the call, and a process holding none of the set's ranks takes part with no weight and gets
   its own value back (allgather: the set's gather). In Horovod only the members call, and a
-  non-member's call is an error.
+  non-member's call is an error: so do the eager ``alltoall`` and
+  ``DistributedOptimizer(process_set=)``, whose programs span the members' processes only
+  (:mod:`parallax.horovod.set_programs`; a non-member's ``alltoall`` raises, its optimizer
+  steps with its own gradient and makes no call).
 
 Example:
   >>> import numpy as np, parallax.horovod as hvd

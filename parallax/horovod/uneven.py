@@ -15,6 +15,10 @@ count, and gets back a padded result with the true counts:
   block is as long as the whole buffer (any split may be that long), so the exchange moves
   ``size`` times the buffer.
 
+With a process set of ``m`` ranks, ``alltoall(buffer, splits=s, process_set=ps)`` takes one
+count per member and returns ``m`` blocks (a rank outside the set gets zeros and counts 0);
+the exchange still runs over the whole axis.
+
 Eagerly (process-local values) the shapes may simply differ: no padding needed.
 
 Example:
@@ -74,3 +78,24 @@ def alltoall_splits(api: str, x, splits, axis_name: str):
     received = lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
     counts = lax.all_to_all(jnp.minimum(splits, rows)[:, None], axis_name, 0, 0, tiled=True)
     return received.reshape((n * rows,) + x.shape[1:]), counts.reshape(n)
+
+
+def alltoall_splits_set(api: str, x, splits, ranks: tuple[int, ...], axis_name: str):
+    """:func:`alltoall_splits` among the process set ``ranks`` (``splits``: one count per
+    member): members exchange through the whole axis, sending nothing to the other ranks,
+    and keep the members' blocks; a rank outside the set receives nothing (zeros, counts 0).
+    """
+    n, m = lax.axis_size(axis_name), len(ranks)
+    splits = jnp.asarray(splits, jnp.int32)
+    if splits.shape != (m,) or jnp.ndim(x) == 0:
+        raise ValueError(f"{api}: splits must hold one count per rank of the process set "
+                         f"{list(ranks)} (shape ({m},)), got shape {splits.shape}, for a "
+                         "tensor with a first dimension.")
+    members = jnp.asarray(ranks)
+    member = jnp.isin(lax.axis_index(axis_name), members)
+    every = jnp.zeros((n,), jnp.int32).at[members].set(jnp.where(member, splits, 0))
+    received, counts = alltoall_splits(api, x, every, axis_name)
+    rows = x.shape[0]
+    blocks = received.reshape((n, rows) + x.shape[1:])[members]
+    blocks = jnp.where(member, blocks, jnp.zeros_like(blocks))
+    return blocks.reshape((m * rows,) + x.shape[1:]), jnp.where(member, counts[members], 0)

@@ -1,9 +1,11 @@
 """One process of 8 ranks: join has nothing to wait for, allgather_object returns one object
 per rank, the topology calls answer for one node (join across processes:
-test_multiprocess.py)."""
+test_multiprocess.py); inside @hvd.jit join is refused, and the active-flag recipe its
+message gives reproduces join's numbers."""
 
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -34,5 +36,29 @@ def test_join_inside_a_program_is_refused():
 
     with pytest.raises(ValueError, match=re.escape(
             "hvd.join: called inside a program over the Horovod axis; every rank runs every "
-            "step of one SPMD program, so none can leave early.")):
+            "step of one SPMD program, so none can leave early. Eagerly: run the steps outside "
+            "@hvd.jit (tx.update of hvd.DistributedOptimizer, hvd.allreduce or "
+            "hvd.grouped_allreduce on this process's gradients) and call hvd.join() after its "
+            "last batch. Inside @hvd.jit: pass each rank an active flag")):
         step(np.ones((8, 1), np.float32))
+
+
+def test_the_active_flag_recipe_gives_joins_numbers():
+    """Rank r has r % 3 + 1 batches of value 10 r + t: per step, join's sum counts the ranks
+    still with data (the others' zeros), the mean divides by size(), and the last rank with
+    data is the highest of those with the most batches (eager join's tie rule)."""
+    counts = [r % 3 + 1 for r in range(8)]
+
+    @hvd.jit
+    def step(batch):  # this rank's [value, active]
+        value, active = batch[0, 0], batch[0, 1]
+        return (hvd.allreduce(value * active, op=hvd.Sum), hvd.allreduce(value * active),
+                hvd.allreduce(jnp.where(active > 0, hvd.rank(), -1), op=hvd.Max))
+
+    for t in range(max(counts)):
+        rows = np.array([[10.0 * r + t, float(t < counts[r])] for r in range(8)], np.float32)
+        total, mean, last = step(rows)
+        expected = sum(10.0 * r + t for r in range(8) if t < counts[r])
+        assert float(total) == expected and float(mean) == pytest.approx(expected / 8)
+        assert int(last) == max(r for r in range(8) if t < counts[r])
+    assert int(last) == max(r for r in range(8) if counts[r] == max(counts))  # join's answer

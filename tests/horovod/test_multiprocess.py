@@ -14,8 +14,8 @@ from tests.distributed.launching import run_launcher
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 PROGRAM = "tests/horovod/programs/collectives.py"
-CHECKS = 30  # "ok ..." lines each rank prints with one device per process
-CHECKS_SEVERAL_DEVICES = 28  # eager alltoall refused: 1 check instead of 3
+CHECKS = 34  # "ok ..." lines each rank prints with one device per process
+CHECKS_SEVERAL_DEVICES = 30  # eager alltoall refused: 1 check instead of 5
 
 
 def assert_horovod_agrees(text: str, ranks: int, train: bool, devices: int = 1) -> None:
@@ -70,12 +70,17 @@ def test_horovodruns_environment_is_one_job_not_n_single_processes():
 
 
 def test_join_lets_a_process_run_out_of_data_while_the_other_reduces():
-    """Process 1 joins after one batch; process 0's next allreduces count it as zero (its
-    averages still divide by size(), as Horovod's), and join returns the last to join."""
+    """Process 1 joins after one batch; process 0's next allreduces (and eager
+    DistributedOptimizer updates) count it as zero (averages still divide by size(), as
+    Horovod's), and join returns the last to join."""
     out = run_launcher(["-np", "2", sys.executable, "tests/horovod/programs/join.py"])
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "[0] sums [11.0, 20.0, 30.0] means [5.5, 10.0, 15.0] last 0" in out.stdout
     assert "[1] sums [11.0] means [5.5] last 0" in out.stdout
+    # the eager optimizer's fused reduction is followed with zeros too (sgd(1): -mean)
+    assert ("[0] optimizer [[-5.5, 5.5], [-10.0, 10.0], [-15.0, 15.0]] last 0"
+            in out.stdout), out.stdout[-3000:]
+    assert "[1] optimizer [[-5.5, 5.5]] last 0" in out.stdout
     for rank in range(2):
         assert f"[{rank}] objects [{{'rank': 0}}, {{'rank': 1}}]" in out.stdout
     # rank 0 alone sums its own 5; rank 1, outside the set, takes part and keeps its 6

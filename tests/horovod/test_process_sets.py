@@ -40,6 +40,8 @@ def in_program(odd_set):
             gather=hvd.allgather(v, process_set=odd_set),
             bcast=hvd.broadcast(v, 5, process_set=odd_set),
             a2a=hvd.alltoall(parts, process_set=odd_set),
+            a2av=hvd.alltoall(parts, splits=jnp.arange(3, dtype=jnp.int32) % 2,
+                              process_set=odd_set),
             rank=odd_set.rank()))
 
     x = per_rank_values()
@@ -62,6 +64,11 @@ def test_collectives_in_a_program_reduce_over_the_members_only(in_program):
         expect = [m * 10 + pos for m in members] if inside else [v[r] * 10 + j for j in range(3)]
         assert out["a2a"][r].tolist() == pytest.approx(expect)
         assert out["rank"][r] == (pos if inside else -1)
+        # splits [0, 1, 0]: each member sends its row 0 to the set's middle rank (2) only
+        received, counts = out["a2av"][0][r], out["a2av"][1][r]
+        assert counts.tolist() == ([1, 1, 1] if r == 2 else [0, 0, 0])
+        want = [[m * 10, 0, 0] for m in members] if r == 2 else [[0, 0, 0]] * 3
+        np.testing.assert_allclose(received.reshape(3, 3), want)
 
 
 def test_the_compiled_all_reduce_names_the_sets_devices(in_program):
@@ -110,3 +117,12 @@ def test_bad_process_sets_are_refused(odd_set):
     with pytest.raises(NotImplementedError, match=re.escape(
             "hvd.allreduce: op=hvd.Adasum on a process set is not supported")):
         hvd.allreduce(np.ones(1), op=hvd.Adasum, process_set=odd_set)
+
+    @hvd.jit(check_outputs="never")
+    def uneven(x):
+        return hvd.alltoall(x, splits=jnp.ones(8, jnp.int32), process_set=odd_set)
+
+    with pytest.raises(ValueError, match=re.escape(
+            "hvd.alltoall: splits must hold one count per rank of the process set [1, 2, 5] "
+            "(shape (3,)), got shape (8,), for a tensor with a first dimension.")):
+        uneven(np.ones((64, 1), np.float32))

@@ -1,7 +1,8 @@
 """Launched with N processes: every collective of parallax.horovod equals numpy on the
-gathered inputs, broadcasts make processes started with different seeds identical (DDP's
-start), and the optimizer trains to the one-process numbers eagerly and inside @hvd.jit
-(buckets summed by point-to-point exchanges).
+gathered inputs (an eager alltoall on a process set: among its members only, a non-member's
+call refused), broadcasts make processes started with different seeds identical (DDP's
+start), and the optimizer trains to the one-process numbers eagerly (on a process set too:
+the members' rows) and inside @hvd.jit (buckets summed by point-to-point exchanges).
 
     parallax launch -np 4 python collectives.py
     parallax launch -np 2 --devices-per-process 2 python collectives.py
@@ -115,6 +116,89 @@ def eager_collectives():
           exact=True)
     check("broadcast_object", [hvd.broadcast_object({"rank": RANK}, root_rank=1)["rank"]], [1],
           exact=True)
+    process_set_alltoall()
+
+
+def process_set_alltoall():
+    """Eagerly on a set of processes: the members exchange parts (one split per member) in a
+    program of their own; a non-member's call raises, as in Horovod."""
+    members = sorted({1, SIZE - 1})
+    ps = hvd.add_process_set(members)
+    if RANK not in members:
+        for splits in (None, [1] * len(members)):
+            try:
+                hvd.alltoall(np.zeros((len(members), 2), np.float32), splits=splits,
+                             process_set=ps)
+                refused = ""
+            except ValueError as error:
+                refused = str(error)
+            check(f"alltoall process set refused (splits={splits})", [refused.startswith(
+                f"hvd.alltoall: rank {RANK} is not a member of the process set {members}")],
+                [True], exact=True)
+        hvd.remove_process_set(ps)
+        return
+    me, m = members.index(RANK), len(members)
+    parts = {s: inputs(s, shape=(2 * m, 3)) for s in members}
+    equal = hvd.alltoall(parts[RANK], process_set=ps)
+    splits = {s: [(i + j) % 2 + 1 for j in range(m)] for i, s in enumerate(members)}
+    sent = {s: inputs(10 + s, shape=(sum(splits[s]), 3)) for s in members}
+    got, received = hvd.alltoall(sent[RANK], splits=splits[RANK], process_set=ps)
+    starts = {s: np.concatenate([[0], np.cumsum(splits[s])]) for s in members}
+    want = [parts[s][2 * me:2 * me + 2] for s in members] + [
+        sent[s][starts[s][me]:starts[s][me + 1]] for s in members]
+    check("alltoall process set", np.concatenate([equal, got]), np.concatenate(want),
+          exact=True)
+    check("alltoall process set received splits", received,
+          [splits[s][me] for s in members], exact=True)
+    hvd.remove_process_set(ps)
+
+
+def process_set_optimizer():
+    """DistributedOptimizer(process_set=) averages over the set's ranks only, eagerly and
+    inside @hvd.jit: its members train on their rows together, a rank outside it on its own
+    rows (eagerly a process; in the program each device)."""
+    members = sorted({1, SIZE - 1})
+    ps = hvd.add_process_set([p * K + i for p in members for i in range(K)])
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4 * SIZE, 3)).astype(np.float32)
+    y = rng.standard_normal((4 * SIZE, 1)).astype(np.float32)
+    loss = lambda w, xb, yb: jnp.mean((xb @ w - yb) ** 2)  # noqa: E731
+    grad = jax.jit(jax.grad(loss))
+
+    def one_process(rows):  # plain adam on one process, 3 steps on x[rows]
+        w, ref_tx = jnp.zeros((3, 1)), optax.adam(0.1)
+        state = ref_tx.init(w)
+        for _ in range(3):
+            updates, state = ref_tx.update(grad(w, x[rows], y[rows]), state)
+            w = optax.apply_updates(w, updates)
+        return w
+
+    set_rows = np.concatenate([np.arange(4 * p, 4 * p + 4) for p in members])
+    own = np.arange(4 * RANK, 4 * RANK + 4)
+    tx = hvd.DistributedOptimizer(optax.adam(0.1), process_set=ps)
+    w = jnp.zeros((3, 1))
+    state = tx.init(w)
+    for _ in range(3):
+        updates, state = tx.update(grad(w, x[own], y[own]), state, w)
+        w = optax.apply_updates(w, updates)
+    check("DistributedOptimizer process set eager", w,
+          one_process(set_rows if RANK in members else own), rtol=1e-6)
+
+    @hvd.jit
+    def step(mine, batch):  # inside the program: the set's replica groups, across processes
+        w, state = mine.value
+        updates, state = tx.update(jax.grad(loss)(w, batch["x"], batch["y"]), state, w)
+        return hvd.PerRank((optax.apply_updates(w, updates), state))
+
+    mine = hvd.PerRank((jnp.zeros((3, 1)), tx.init(jnp.zeros((3, 1)))))
+    for _ in range(3):  # this process's 4 rows, split over its K ranks
+        mine = step(mine, {"x": x[own], "y": y[own]})
+    shards = sorted(mine.value[0].addressable_shards, key=lambda s: s.index[0].start)
+    per_device = 4 // K  # a rank outside the set trains on its device's rows alone
+    check("DistributedOptimizer process set in @hvd.jit", [np.asarray(s.data)[0] for s in shards],
+          [one_process(set_rows if RANK in members else own[i * per_device:(i + 1) * per_device])
+           for i in range(K)], rtol=1e-6)
+    hvd.remove_process_set(ps)
 
 
 def program_collectives():
@@ -223,6 +307,7 @@ def main(train: bool = False) -> None:
     program_collectives()
     ddp_start_from_rank_0()
     eager_optimizer()
+    process_set_optimizer()
     program_optimizer()
     if train:  # the Horovod-style example against one process
         sys.path.insert(0, "examples")

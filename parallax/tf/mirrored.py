@@ -88,6 +88,7 @@ class MirroredStrategy:
     """
 
     API = "px.tf.MirroredStrategy"
+    MULTI_WORKER = False  # TF refuses PER_REPLICA input on the multi-worker strategy
 
     def __init__(self, devices=None, cross_device_ops: CrossDeviceOps | None = None):
         api = self.API
@@ -449,9 +450,8 @@ class MirroredStrategy:
         return DistributedDatasetsFromFunction(self, dataset_fn, options)
 
     def _check_options(self, method: str, options, from_function: bool):
-        # MultiWorkerMirroredStrategy's mesh is (worker, replica); TF refuses PER_REPLICA there.
         return check_options(f"{self.API}.{method}", options, from_function=from_function,
-                             multi_worker=self.replica_axes[0] == "worker")
+                             multi_worker=self.MULTI_WORKER)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> PerReplica:
         """A ``PerReplica`` value whose component ``i`` is ``value_fn(ValueContext(i, n))``.

@@ -97,6 +97,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     """
 
     API = "px.tf.MultiWorkerMirroredStrategy"
+    MULTI_WORKER = True
 
     def __init__(self, cluster_resolver: distributed.ClusterSpec | None = None,
                  communication_options: CommunicationOptions | CrossDeviceOps | None = None):

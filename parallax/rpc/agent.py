@@ -1,9 +1,10 @@
 """A process's RPC agent: who it is, how to reach the other workers, and how a call travels.
 
 A call to oneself runs on the agent's thread pool; a call to another worker is a Ray actor
-call (``dispatch``) whose object reference becomes a :class:`Future`. Ray's failures become
-this package's: a dead actor is :class:`RemoteWorkerError` naming the worker, an exception
-raised by the function is re-raised as itself.
+call (``dispatch``, one argument) whose answer, a :class:`parallax.rpc.reply.Reply`, completes
+a :class:`Future`: read by the caller's own thread when it waits at once (``rpc_sync``,
+:meth:`Agent.call_and_wait`), by Ray's callback thread otherwise; there Ray's failures
+become this package's (a dead actor is :class:`RemoteWorkerError` naming the worker).
 """
 
 from __future__ import annotations

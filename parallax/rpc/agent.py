@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import NamedTuple
@@ -96,6 +97,7 @@ class Agent:
 
     def _start(self, to: str, method: str, args: tuple, timeout, describe: str,
                wait: bool) -> Future:
+        sent = time.time() if self.call_log is not None else None  # before it leaves
         if to == self.name:
             future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
             done = self.executor.submit(getattr(self.state, method), *args)
@@ -112,7 +114,7 @@ class Agent:
                 future.object_ref = reply.object_ref
                 reply.read_later(future)
         if self.call_log is not None:
-            self.call_log.start(self.name, to, method, describe, args, future)
+            self.call_log.start(self.name, to, method, describe, args, future, sent)
         with self.lock:
             self.pending.add(future)
         future._on_settled(self._forget)

@@ -57,12 +57,13 @@ class CallLog:
         self._lock = threading.Lock()
 
     def start(self, caller: str, callee: str, kind: str, describe: str, args: tuple,
-              future) -> None:
-        """Records the call behind ``future`` (``WorkerState.<kind>(*args)``) once it settles."""
+              future, sent: float | None = None) -> None:
+        """Records the call behind ``future`` (``WorkerState.<kind>(*args)``) once it settles;
+        ``sent``: the ``time.time()`` it was sent at (now if None)."""
         what = describe.split(" on worker ")[0]
         if kind == "run" and "(_call_method)" in what:  # an RRef proxy's call: name the method
             what = what.replace("(_call_method)", f"(.{args[1][1]})")
-        sent = time.time()
+        sent = time.time() if sent is None else sent
 
         def settled(_):
             with self._lock:

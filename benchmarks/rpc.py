@@ -9,7 +9,10 @@ Two tables:
    and the best of them: on a shared machine the slowest samples measure the neighbours).
    The small payloads give the round-trip latency (each sample times a batch of up to 50
    calls, a sample of one call being mostly noise), the large ones the bandwidth (bytes sent
-   / time). Target: rpc_sync >= 0.8 of raw.
+   / time). Target: rpc_sync >= 0.8 of raw. A third column, timed in the same alternation,
+   is a raw Ray call carrying rpc_sync's message (``(method, (fn, args, kwargs, ...))`` as
+   one argument, to a threaded actor like ``RpcWorker``): the part of rpc_sync's time that
+   is Ray's, for the message parallax must send.
 2. **The pipeline example's training step** (``examples/rpc/pipeline.py``: two shards on two
    workers, forward through RRef proxies, distributed-autograd backward, DistributedOptimizer)
    against the same model and Adam step in one process (one ``jax.jit``ted step). The model
@@ -18,6 +21,7 @@ Two tables:
 
 Usage:
   python benchmarks/rpc.py [--sizes-kb 1 64 1024 16384 65536] [--repeats 5] [--steps 20]
+  (``--steps 0`` skips the pipeline table)
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 nbytes = operator.attrgetter("nbytes")  # pickled by reference: no function bytes per call
 
 
-def timed_pair(first, second, repeats):
-    """Times ``first`` and ``second`` alternately; per function (median, best) in seconds."""
-    samples = ([], [])
+def timed_pair(*fns, repeats):
+    """Times ``fns`` alternately; per function (median, best) in seconds."""
+    samples = tuple([] for _ in fns)
     for _ in range(repeats):
-        for fn, out in zip((first, second), samples):
+        for fn, out in zip(fns, samples):
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
@@ -57,13 +61,20 @@ def calls(sizes_kb, repeats):
         def take(self, array):
             return array.nbytes
 
-    raw = Raw.remote()
+    @ray.remote(num_cpus=0, max_concurrency=32)
+    class RawWithMessage:  # RpcWorker's shape: threaded, one (method, args) argument
+        def dispatch(self, call):
+            method, (fn, args, kwargs, *_) = call
+            return fn(*args, **kwargs)
+
+    raw, message = Raw.remote(), RawWithMessage.remote()
     ray.get(raw.take.remote(np.zeros(1)))
-    rpc.rpc_sync("worker1", nbytes, args=(np.zeros(1),))  # warm both paths
+    ray.get(message.dispatch.remote(("run", (nbytes, (np.zeros(1),), {}, None, None, None))))
+    rpc.rpc_sync("worker1", nbytes, args=(np.zeros(1),))  # warm the paths
     print(f"\nrpc_sync vs raw Ray actor call (array sent, its size returned), "
           f"{repeats} alternating repeats, median (best), ms per call")
-    print(f"{'payload':>9}{'rpc_sync ms':>18}{'raw ms':>18}{'rpc GB/s':>10}{'raw GB/s':>10}"
-          f"{'ratio':>7}")
+    print(f"{'payload':>9}{'rpc_sync ms':>18}{'raw ms':>18}{'raw+message ms':>18}"
+          f"{'rpc GB/s':>10}{'raw GB/s':>10}{'ratio':>7}")
     rows = []
     for kb in sizes_kb:
         array = np.random.default_rng(0).standard_normal(kb * 256).astype(np.float32)
@@ -77,16 +88,24 @@ def calls(sizes_kb, repeats):
             for _ in range(per_sample):
                 ray.get(raw.take.remote(array))
 
-        (rpc_med, rpc_best), (raw_med, raw_best) = [
+        def raw_message_calls():
+            for _ in range(per_sample):
+                ray.get(message.dispatch.remote(("run", (nbytes, (array,), {}, None, None,
+                                                         None))))
+
+        (rpc_med, rpc_best), (raw_med, raw_best), (msg_med, msg_best) = [
             (med / per_sample, best / per_sample)
-            for med, best in timed_pair(rpc_calls, raw_calls, repeats)]
+            for med, best in timed_pair(rpc_calls, raw_calls, raw_message_calls,
+                                        repeats=repeats)]
         ratio = raw_med / rpc_med
         label = f"{kb} KB" if kb < 1024 else f"{kb // 1024} MB"
         print(f"{label:>9}{rpc_med * 1e3:>11.3f} ({rpc_best * 1e3:.3f}){raw_med * 1e3:>11.3f} "
-              f"({raw_best * 1e3:.3f}){array.nbytes / rpc_med / 1e9:>10.3f}"
-              f"{array.nbytes / raw_med / 1e9:>10.3f}{ratio:>7.2f}")
-        rows.append((kb, rpc_med, raw_med, ratio))
+              f"({raw_best * 1e3:.3f}){msg_med * 1e3:>11.3f} ({msg_best * 1e3:.3f})"
+              f"{array.nbytes / rpc_med / 1e9:>10.3f}{array.nbytes / raw_med / 1e9:>10.3f}"
+              f"{ratio:>7.2f}")
+        rows.append((kb, rpc_med, raw_med, msg_med, ratio))
     ray.kill(raw)
+    ray.kill(message)
     return rows
 
 
@@ -132,7 +151,8 @@ def pipeline(steps):
         jax.block_until_ready(carry)
 
     rpc_step(), one_process_step()  # compile / warm up
-    (rpc_med, rpc_best), (plain_med, plain_best) = timed_pair(rpc_step, one_process_step, steps)
+    (rpc_med, rpc_best), (plain_med, plain_best) = timed_pair(rpc_step, one_process_step,
+                                                              repeats=steps)
     print(f"\npipeline example step (2 shards on 2 workers), {steps} alternating steps, "
           f"median (best)")
     print(f"{'':>28}{'ms/step':>18}")
@@ -157,7 +177,8 @@ def main():
     print(f"jax {jax.__version__}, ray {ray.__version__}, backend {jax.default_backend()}")
     try:
         calls(args.sizes_kb, args.repeats)
-        pipeline(args.steps)
+        if args.steps:
+            pipeline(args.steps)
     finally:
         rpc.shutdown()
 

@@ -1,26 +1,27 @@
 """A process's RPC agent: who it is, how to reach the other workers, and how a call travels.
 
 A call to oneself runs on the agent's thread pool; a call to another worker is a Ray actor
-call (``dispatch``) whose object reference becomes a :class:`Future`. Ray's failures become
-this package's: a dead actor is :class:`RemoteWorkerError` naming the worker, an exception
-raised by the function is re-raised as itself.
+call (``dispatch``, one argument) whose answer, a :class:`parallax.rpc.reply.Reply`, completes
+a :class:`Future`: read by the caller's own thread when it waits at once (``rpc_sync``,
+:meth:`Agent.call_and_wait`), by Ray's callback thread otherwise; there Ray's failures
+become this package's (a dead actor is :class:`RemoteWorkerError` naming the worker).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
-import ray
 
 from parallax.rpc.deadlines import Deadlines
-from parallax.rpc.errors import RemoteWorkerError
 from parallax.rpc.future import Future
 from parallax.rpc.recording import (Tape, call_in_trace, current_anchor, current_context)
+from parallax.rpc.reply import Reply
 from parallax.rpc.wire import is_float_array, to_host
 
 DEFAULT_TIMEOUT = 60.0  # seconds, PyTorch's default RPC timeout
@@ -81,36 +82,56 @@ class Agent:
         return f"{what} on worker {to!r} (rank {self.names.index(to)})"
 
     def call(self, to: str, method: str, args: tuple, *, timeout: float | None,
-             describe: str, after=None) -> Future:
-        """Runs ``WorkerState.<method>(*args)`` on worker ``to``; ``after``: an object to wait for."""
-        future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
-        if self.call_log is not None:
-            self.call_log.start(self.name, to, method, describe, args, future)
+             describe: str) -> Future:
+        """Runs ``WorkerState.<method>(*args)`` on worker ``to``; a future of the result.
+
+        The answer of a remote call is read by Ray's callback thread (the future is the
+        caller's to keep); a caller that waits at once uses :meth:`call_and_wait`."""
+        return self._start(to, method, args, timeout, describe, wait=False)
+
+    def call_and_wait(self, to: str, method: str, args: tuple, *, timeout: float | None,
+                      describe: str):
+        """``call(...).wait()``, but the answer is read in this thread, as a raw ``ray.get``
+        would (no hand-over from Ray's callback thread; see :mod:`parallax.rpc.reply`)."""
+        return self._start(to, method, args, timeout, describe, wait=True).wait()
+
+    def _start(self, to: str, method: str, args: tuple, timeout, describe: str,
+               wait: bool) -> Future:
+        sent = time.time() if self.call_log is not None else None  # before it leaves
         if to == self.name:
+            future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
             done = self.executor.submit(getattr(self.state, method), *args)
             done.add_done_callback(lambda d: future.set_exception(d.exception())
                                    if d.exception() else future.set_result(d.result()))
         else:
-            ref = self._submit(to, method, args, after, describe)
-            future.object_ref = ref
-            ref.future().add_done_callback(lambda d: self._settle(future, d, to, describe))
+            reply = Reply(self._submit(to, method, args, describe), to, self.names.index(to),
+                          describe)
+            if wait:  # read by this thread's wait(), which comes next
+                future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines,
+                                reply=reply)
+            else:
+                future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
+                future.object_ref = reply.object_ref
+                reply.read_later(future)
+        if self.call_log is not None:
+            self.call_log.start(self.name, to, method, describe, args, future, sent)
         with self.lock:
             self.pending.add(future)
-        future.add_done_callback(self._forget)
+        future._on_settled(self._forget)
         return future
 
     def _forget(self, future: Future) -> None:
         with self.lock:
             self.pending.discard(future)
 
-    def _submit(self, to: str, method: str, args: tuple, after, describe: str):
+    def _submit(self, to: str, method: str, args: tuple, describe: str):
         if to not in self.handles:
             raise RuntimeError(
                 f"parallax.rpc: {describe}: worker {to!r} is the driver process (the one that "
                 "called init_rpc), which takes no calls from other workers; run the code that "
                 "must be called on one of the other workers")
         try:
-            return self.handles[to].dispatch.remote(method, after, args)
+            return self.handles[to].dispatch.remote((method, args))
         except Exception as error:  # Ray's serializer: a function or argument that won't pickle
             if "serializ" not in str(error).lower() and "pickl" not in str(error).lower():
                 raise
@@ -119,22 +140,21 @@ class Agent:
                 f"pickle ({type(error).__name__}); pass a module-level function and arrays, "
                 "pytrees or RRefs (no locks, sockets or open files in a closure)") from None
 
-    def _settle(self, future: Future, done, to: str, describe: str) -> None:
-        try:
-            future.set_result(done.result())
-        except ray.exceptions.RayActorError:
-            future.set_exception(RemoteWorkerError(
-                f"parallax.rpc: worker {to!r} (rank {self.names.index(to)}) died before "
-                f"answering {describe}: its process is gone, and with it the values of the "
-                "RRefs it owned; restart the RPC group (shutdown, init_rpc)"))
-        except ray.exceptions.RayTaskError as error:
-            future.set_exception(error.cause)
-        except BaseException as error:
-            future.set_exception(error)
+    def send_after(self, to: str, after, method: str, args: tuple) -> None:
+        """A one-way message: ``WorkerState.<method>(*args)`` on ``to``, once Ray has the
+        object ``after`` (None: at once); nothing waits for it or reads its answer."""
+        self.handles[to].dispatch_after.remote(after, (method, args))
 
     def rpc_async(self, api: str, to, fn: Callable, args, kwargs, timeout: float | None,
                   rref_id: str | None = None) -> Future:
         """A call of ``fn`` on ``to``, recorded when a ``dist_autograd`` context is active."""
+        return self._run(api, to, fn, args, kwargs, timeout, rref_id, wait=False)
+
+    def rpc_sync(self, api: str, to, fn: Callable, args, kwargs, timeout: float | None):
+        """``rpc_async(...).wait()``, the answer read in this thread (``call_and_wait``)."""
+        return self._run(api, to, fn, args, kwargs, timeout, None, wait=True)
+
+    def _run(self, api, to, fn, args, kwargs, timeout, rref_id, wait: bool):
         to = self.info(to, api).name
         if not callable(fn):
             raise TypeError(f"parallax.rpc.{api}: `func` must be callable, got "
@@ -143,15 +163,23 @@ class Agent:
         what = self.describe(to, f"{api}({getattr(fn, '__qualname__', fn)!s})")
         context = current_context()
         if current_anchor() is not None:
-            return self._in_trace(api, to, fn, args, kwargs, timeout, what, context, rref_id)
+            done = self._in_trace(api, to, fn, args, kwargs, timeout, what, context, rref_id)
+            return done.wait() if wait else done
         call_id = uuid.uuid4().hex if context is not None else None
-        future = self.call(to, "run", (fn, to_host(args), to_host(kwargs), context, call_id,
-                                       rref_id), timeout=timeout, describe=what)
+        host_args, host_kwargs = to_host((args, kwargs))  # one tree walk for both
+        call = (fn, host_args, host_kwargs, context, call_id, rref_id)
         if context is None:
-            return future
+            if wait:
+                return self.call_and_wait(to, "run", call, timeout=timeout, describe=what)
+            return self.call(to, "run", call, timeout=timeout, describe=what)
         tape = self.state.autograd.tapes.setdefault(context, Tape())
         floats = [leaf for leaf in jax.tree.leaves((args, kwargs)) if is_float_array(leaf)]
         entry = tape.record_call(call_id, to, floats, rref_id)
+        if wait:
+            value = self.call_and_wait(to, "run", call, timeout=timeout, describe=what)
+            tape.record_outputs(entry, value)
+            return value
+        future = self.call(to, "run", call, timeout=timeout, describe=what)
 
         def keep_outputs(done: Future):
             value = done.wait()
@@ -170,12 +198,13 @@ class Agent:
         call_id = uuid.uuid4().hex
 
         def run(call_args, call_kwargs):
-            return self.call(to, "run", (fn, to_host(call_args), to_host(call_kwargs), context,
-                                         call_id, None), timeout=timeout, describe=what).wait()
+            host_args, host_kwargs = to_host((call_args, call_kwargs))
+            return self.call_and_wait(to, "run", (fn, host_args, host_kwargs, context, call_id,
+                                                  None), timeout=timeout, describe=what)
 
         def run_backward(cotangents):
-            return self.call(to, "backward", (context, call_id, cotangents), timeout=timeout,
-                             describe=f"backward of {what}").wait()
+            return self.call_and_wait(to, "backward", (context, call_id, cotangents),
+                                      timeout=timeout, describe=f"backward of {what}")
 
         done = Future(describe=what)
         done.set_result(call_in_trace(args, kwargs, run, run_backward))

@@ -163,8 +163,7 @@ def rpc_sync(to, func: Callable, args: tuple | None = None, kwargs: dict | None 
     References:
       PyTorch, ``torch.distributed.rpc.rpc_sync``.
     """
-    return current_agent("rpc_sync").rpc_async("rpc_sync", to, func, args, kwargs,
-                                               timeout).wait()
+    return current_agent("rpc_sync").rpc_sync("rpc_sync", to, func, args, kwargs, timeout)
 
 
 def remote(to, func: Callable, args: tuple | None = None, kwargs: dict | None = None,

@@ -57,18 +57,19 @@ class CallLog:
         self._lock = threading.Lock()
 
     def start(self, caller: str, callee: str, kind: str, describe: str, args: tuple,
-              future) -> None:
-        """Records the call behind ``future`` (``WorkerState.<kind>(*args)``) once it settles."""
+              future, sent: float | None = None) -> None:
+        """Records the call behind ``future`` (``WorkerState.<kind>(*args)``) once it settles;
+        ``sent``: the ``time.time()`` it was sent at (now if None)."""
         what = describe.split(" on worker ")[0]
         if kind == "run" and "(_call_method)" in what:  # an RRef proxy's call: name the method
             what = what.replace("(_call_method)", f"(.{args[1][1]})")
-        sent = time.time()
+        sent = time.time() if sent is None else sent
 
         def settled(_):
             with self._lock:
                 self._records.append(CallRecord(caller, callee, kind, what, sent, time.time()))
 
-        future.add_done_callback(settled)
+        future._on_settled(settled)  # leaves the reading of the answer where it was
 
     def take(self) -> list[CallRecord]:
         with self._lock:
@@ -103,8 +104,8 @@ def record_calls() -> Iterator[list[CallRecord]]:
                            "recorded here; record_calls blocks do not nest (use one block)")
     others = [name for name in agent.names if name in agent.handles]
     for name in others:
-        agent.call(name, "run", (start_recording, (), {}, None, None, None), timeout=None,
-                   describe="start_recording").wait()
+        agent.call_and_wait(name, "run", (start_recording, (), {}, None, None, None),
+                            timeout=None, describe="start_recording")
     start_recording()
     records: list[CallRecord] = []
     try:
@@ -112,6 +113,7 @@ def record_calls() -> Iterator[list[CallRecord]]:
     finally:
         collected = stop_recording()
         for name in others:
-            collected += agent.call(name, "run", (stop_recording, (), {}, None, None, None),
-                                    timeout=None, describe="stop_recording").wait()
+            collected += agent.call_and_wait(name, "run", (stop_recording, (), {}, None, None,
+                                                           None), timeout=None,
+                                             describe="stop_recording")
         records.extend(sorted(collected, key=lambda record: record.start))

@@ -52,8 +52,8 @@ def context() -> Iterator[str]:
             yield context_id
     finally:
         agent.state.release_context(context_id)
-        for name, handle in agent.handles.items():
-            handle.dispatch.remote("release_context", None, (context_id,))
+        for name in agent.handles:
+            agent.send_after(name, None, "release_context", (context_id,))
 
 
 def backward(context_id: str, roots: Sequence, timeout: float | None = DEFAULT_TIMEOUT) -> None:
@@ -88,9 +88,9 @@ def backward(context_id: str, roots: Sequence, timeout: float | None = DEFAULT_T
         outs = [cotangents.pop((entry.call_id, i), None) for i in range(entry.num_out)]
         if entry.rref_id is None and all(c is None for c in outs):
             continue
-        inputs = agent.call(entry.callee, "backward", (context_id, entry.call_id, outs),
-                            timeout=timeout,
-                            describe=agent.describe(entry.callee, "dist_autograd.backward")).wait()
+        inputs = agent.call_and_wait(
+            entry.callee, "backward", (context_id, entry.call_id, outs), timeout=timeout,
+            describe=agent.describe(entry.callee, "dist_autograd.backward"))
         for j, key in entry.edges if inputs is not None else ():
             cotangents[key] = add_trees(cotangents.get(key), inputs[j])
 

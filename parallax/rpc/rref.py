@@ -99,11 +99,11 @@ class RRef:
             return self.local_value()
         self._wait_created("to_here", timeout)
         context, owner, rref_id = current_context(), self._owner, self._id
-        value = agent.call(owner, "fetch", (rref_id,), timeout=timeout,
-                           describe=agent.describe(owner, "RRef.to_here()")).wait()
-        return tie(value, lambda cotangent: agent.call(
+        value = agent.call_and_wait(owner, "fetch", (rref_id,), timeout=timeout,
+                                    describe=agent.describe(owner, "RRef.to_here()"))
+        return tie(value, lambda cotangent: agent.call_and_wait(
             owner, "accumulate", (context, rref_id, cotangent), timeout=timeout,
-            describe=agent.describe(owner, "a gradient of RRef.to_here()")).wait())
+            describe=agent.describe(owner, "a gradient of RRef.to_here()")))
 
     def rpc_sync(self, timeout: float | None = DEFAULT_TIMEOUT) -> _Proxy:
         """``rref.rpc_sync().f(x)`` runs ``value.f(x)`` on the owner and returns the result."""
@@ -124,8 +124,8 @@ class RRef:
                 agent.state.fork(self._id)
             else:
                 self._wait_created("pickle", DEFAULT_TIMEOUT)
-                agent.call(self._owner, "fork", (self._id,), timeout=DEFAULT_TIMEOUT,
-                           describe=agent.describe(self._owner, "an RRef fork")).wait()
+                agent.call_and_wait(self._owner, "fork", (self._id,), timeout=DEFAULT_TIMEOUT,
+                                    describe=agent.describe(self._owner, "an RRef fork"))
         return (RRef._user, (self._owner, self._id, None))
 
     def __del__(self):
@@ -137,7 +137,7 @@ class RRef:
                 agent.state.release(self._id)
             elif self._owner in agent.handles:
                 after = self._created.object_ref if self._created is not None else None
-                agent.handles[self._owner].dispatch.remote("release", after, (self._id,))
+                agent.send_after(self._owner, after, "release", (self._id,))
         except Exception:  # interpreter or Ray shutting down: nothing left to free
             pass
 
@@ -164,9 +164,9 @@ class _Proxy:
             if self._mode == "remote":
                 return make_remote(agent, self._rref._owner, _call_method, call_args, {},
                                    self._timeout)
-            future = agent.rpc_async(f"RRef.{self._mode}", self._rref._owner, _call_method,
-                                     call_args, {}, self._timeout)
-            return future.wait() if self._mode == "rpc_sync" else future
+            run = agent.rpc_sync if self._mode == "rpc_sync" else agent.rpc_async
+            return run(f"RRef.{self._mode}", self._rref._owner, _call_method, call_args, {},
+                       self._timeout)
 
         return call
 

@@ -30,8 +30,9 @@ checkpoint. The port keeps that structure. What changes:
   step receives as ``hvd.PerRank`` values.
 - The loss printed is the average over the ranks (``hvd.allreduce(loss)``), not rank 0's
   own: ``@hvd.jit`` returns one replicated value per result.
-- ``checkpoint.save`` on rank 0 -> ``px.checkpoint.save`` on every rank: a JAX checkpoint is
-  a collective (each process writes its shards; Orbax's primary process, rank 0, commits).
+- ``tf.train.Checkpoint`` -> ``px.checkpoint.Manager`` (Orbax; saves numbered 1, 2, ... as
+  TensorFlow's), and ``checkpoint.save`` on rank 0 -> on every rank: a JAX checkpoint is a
+  collective (each process writes its shards; Orbax's primary process, rank 0, commits).
 
 ``--check`` runs the same steps in one process on one device (each step the mean of every
 rank's gradient, the first at every rank's own initial parameters, then rank 0's updated
@@ -224,6 +225,8 @@ def main(argv=None) -> int:
     opt = optax.adam(0.001 * hvd.size())
     opt_state = opt.init(params)
     checkpoint_dir = os.path.abspath(args.checkpoint_dir)
+    checkpoint = px.checkpoint.Manager(checkpoint_dir, async_save=False)
+    save_number = (checkpoint.latest_step() or 0) + 1  # numbered as TF's ckpt-1, ckpt-2, ...
     training_step = make_steps(graphdef, opt)
 
     losses = []
@@ -238,9 +241,10 @@ def main(argv=None) -> int:
 
     # Horovod: save checkpoints only on worker 0. Here every rank takes part in the save and
     # rank 0 (Orbax's primary process) commits it.
-    px.checkpoint.save(checkpoint_dir, (params, opt_state), step=steps)
+    checkpoint.save(save_number, (params, opt_state))
+    checkpoint.close()
     if hvd.rank() == 0:
-        print(f"checkpoint saved at {checkpoint_dir}/{steps}", flush=True)
+        print(f"checkpoint saved at {checkpoint_dir}/{save_number}", flush=True)
     if not args.check:
         return 0
     per_process = jax.local_device_count()  # a process's ranks share its first rank's start

@@ -26,7 +26,8 @@ structure. What changes:
   replica step calls ``get_replica_context().all_reduce(SUM, grads)`` first.
 - ``@tf.function`` around the distributed steps: ``strategy.run`` compiles the replica
   function itself (one program over every replica).
-- ``tf.train.Checkpoint`` -> ``px.checkpoint`` (Orbax) of the model's and optimizer's state.
+- ``tf.train.Checkpoint`` -> ``px.checkpoint.Manager`` (Orbax) of the model's and
+  optimizer's state, its saves numbered 1, 2, ... as TensorFlow's.
 
 ``--check`` trains the same model on one device with the same global batches (the default
 replica context: one replica, so the all-reduce is the identity) and compares the losses
@@ -163,6 +164,8 @@ def main(argv=None) -> dict:
         model = create_model(nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
+        checkpoint = px.checkpoint.Manager(checkpoint_dir, async_save=False)
+
     def train_step(model, optimizer, train_accuracy, inputs):
         images, labels = inputs
 
@@ -209,9 +212,9 @@ def main(argv=None) -> dict:
         for x in test_dist_dataset:
             distributed_test_step(x)
 
-        if epoch % 2 == 0:
-            px.checkpoint.save(checkpoint_dir, (nnx.state(model), nnx.state(optimizer)),
-                               step=epoch)
+        if epoch % 2 == 0:  # numbered 1, 2, ... as TF's checkpoint.save(checkpoint_prefix)
+            checkpoint.save((checkpoint.latest_step() or 0) + 1,
+                            (nnx.state(model), nnx.state(optimizer)))
 
         template = ("Epoch {}, Loss: {}, Accuracy: {}, Test Loss: {}, "
                     "Test Accuracy: {}")
@@ -227,8 +230,8 @@ def main(argv=None) -> dict:
     eval_accuracy = nnx.metrics.Accuracy()
     new_model = create_model(nnx.Rngs(1))
     new_optimizer = nnx.Optimizer(new_model, optax.adam(1e-3), wrt=nnx.Param)
-    restored = px.checkpoint.restore(
-        checkpoint_dir, like=(nnx.state(new_model), nnx.state(new_optimizer))).state
+    restored = checkpoint.restore(like=(nnx.state(new_model), nnx.state(new_optimizer))).state
+    checkpoint.close()
     nnx.update(new_model, restored[0])
     nnx.update(new_optimizer, restored[1])
 

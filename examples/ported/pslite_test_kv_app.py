@@ -21,7 +21,8 @@ flow. What changes:
 - ``KVServerDefaultHandle<float>``: the store's default, ``px.ps.SumHandle`` (``--handle
   default``), and, as a request-handle variant (``--handle request``), the same handle
   written as PS-Lite's ``ReqHandle`` (:class:`DefaultRequestHandle`: its own store, called
-  with ``(meta, data, server)`` for every request).
+  with ``(meta, data, server)`` for every request). With ``--handle both`` (the default)
+  the same servers run both, emptied in between (``store.reset``).
 - ``kv.Push(keys, vals)`` / ``kv.Pull(keys, &rets)`` / ``kv.PushPull(keys, vals, &outs)``:
   ``worker.push`` / ``worker.pull`` / ``worker.push_pull``, whose ``wait`` returns the
   values instead of filling an output vector.
@@ -127,23 +128,27 @@ def main(argv=None) -> int:
     import parallax.ps as ps
 
     # start system
-    ps.init_cluster(args.address)
+    started = ps.init_cluster(args.address)
     failed = False
     handles = {"default": None, "request": DefaultRequestHandle()}
-    for name in (["default", "request"] if args.handle == "both" else [args.handle]):
-        # setup server nodes
-        store = ps.KVStore(args.num_servers, handle=handles[name], consistency="eventual",
-                           num_workers=args.num_workers)
+    names = ["default", "request"] if args.handle == "both" else [args.handle]
+    # setup server nodes
+    store = ps.KVStore(args.num_servers, handle=handles[names[0]], consistency="eventual",
+                       num_workers=args.num_workers)
+    for name in names:
+        # the same server processes, emptied, with the other handle
+        store.reset(handle=handles[name])
         # run worker nodes
         reports = ps.run_workers(store, run_worker, args.num, args.repeat)
-        store.shutdown()
         for r in reports:
             print(f"{name} handle, worker {r['rank']}: error: {r['error']}, {r['error2']}; "
                   f"max difference vs one process {r['vs_one_process']}", flush=True)
             failed |= not (r["error"] < 1e-5 and r["error2"] < 1e-5
                            and r["vs_one_process"] <= 1e-5)
     # stop system
-    ps.shutdown_cluster()
+    store.shutdown()
+    if started:  # Ray was not up before this program: disconnect (and stop a local cluster)
+        ps.shutdown_cluster()
     return 1 if failed else 0
 
 

@@ -2,7 +2,8 @@
 
 The ported scripts (examples/ported/) keep their originals' arguments and run with the
 tiny settings of ``PORTED`` and their ``--check`` against one device or one process, which
-makes a script exit non-zero on a mismatch.
+makes a script exit non-zero on a mismatch. PS-Lite's port runs in this process on the
+session's Ray cluster (a cluster of its own would cost seconds of start-up).
 
 Single-process examples run in this test process (``runpy`` with a patched ``sys.argv``: the
 8 simulated CPU devices and the compilation cache of the suite are already set up, so no
@@ -36,8 +37,8 @@ EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"],
          # px.metrics.Monitor's files, checked below: a log of each step and a trace
          "gradient_accumulation.py": ["--logdir", "{tmp}/logs", "--profile-steps", "2:3"],
          "llama_long_context.py": ["--check", "--seq-len", "64"]}
-# A ported script: the launcher's flags (None: its own process; "in process": runpy here)
-# and its arguments (tiny data, two ranks, a few steps, the comparison on).
+# A ported script: the launcher's flags ("in process": runpy here; "ray": runpy here, in the
+# session's Ray cluster) and its arguments (tiny data, two ranks, a few steps, the check on).
 PORTED = {
     "ported/horovod_tensorflow2_mnist.py": (
         ["-np", "2"], ["--steps", "6", "--batch", "16", "--check",
@@ -45,7 +46,7 @@ PORTED = {
     "ported/torchrun_ddp.py": (
         ["--nproc-per-node", "2"], ["2", "1", "--dataset_size", "128", "--check",
                                     "--snapshot_path", "{tmp}/snapshot"]),
-    "ported/pslite_test_kv_app.py": (None, ["--num", "1000", "--repeat", "12"]),
+    "ported/pslite_test_kv_app.py": ("ray", ["--num", "1000", "--repeat", "12"]),
     "ported/tf_custom_training.py": (
         "in process", ["--epochs", "1", "--train-size", "64", "--test-size", "32",
                        "--batch-per-replica", "4", "--check", "--checkpoint-dir", "{tmp}/ckpt"]),
@@ -54,6 +55,7 @@ SCRIPTS = sorted([p.name for p in EXAMPLES.glob("*.py")]
                  + [f"ported/{p.name}" for p in EXAMPLES.glob("ported/*.py")])
 IN_PROCESS = [s for s in SCRIPTS if s not in LAUNCHED | OWN_PROCESS | set(COVERED)
               and PORTED.get(s, ("in process",))[0] == "in process"]
+IN_RAY_SESSION = [s for s in SCRIPTS if PORTED.get(s, ("",))[0] == "ray"]
 
 
 def argv(name: str, tmp: pathlib.Path) -> list[str]:
@@ -73,9 +75,8 @@ def test_the_readme_lists_every_example_once():
     assert sorted(listed) == SCRIPTS
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", IN_PROCESS)
-def test_example_runs_in_process(name, tmp_path, monkeypatch, capsys):
+def _run_here(name, tmp_path, monkeypatch, capsys) -> str:
+    """Runs an example in this process; returns what it printed."""
     monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *argv(name, tmp_path)])
     monkeypatch.chdir(tmp_path)  # anything an example writes by default lands here
     try:
@@ -84,6 +85,21 @@ def test_example_runs_in_process(name, tmp_path, monkeypatch, capsys):
         assert exit_.code in (0, None), capsys.readouterr().out[-3000:]
     out = capsys.readouterr().out
     assert out
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("name", IN_RAY_SESSION)
+def test_ray_example_runs_in_the_sessions_cluster(name, tmp_path, monkeypatch, capsys):
+    assert "vs one process" in _run_here(name, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_example_runs_in_process(name, tmp_path, monkeypatch, capsys):
+    out = _run_here(name, tmp_path, monkeypatch, capsys)
     if "--logdir" in EXTRA.get(name, []):
         assert "steps measured" in out and "tokens/s per device" in out  # the final table
         log = (tmp_path / "logs/metrics.jsonl").read_text()
@@ -102,7 +118,7 @@ def _env() -> dict:
 
 @pytest.mark.slow
 def test_multi_process_and_ray_examples_run(tmp_path):
-    ported = {name for name, (launch, _) in PORTED.items() if launch != "in process"}
+    ported = {name for name, (launch, _) in PORTED.items() if isinstance(launch, list)}
     names = sorted(((LAUNCHED | OWN_PROCESS) & set(SCRIPTS)) | ported)
     started = {}
     for name in names:

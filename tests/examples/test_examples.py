@@ -1,5 +1,10 @@
 """Every script in examples/ runs with ``--steps 2``; examples/README.md lists each one.
 
+The ported scripts (examples/ported/) keep their originals' arguments and run with the
+tiny settings of ``PORTED`` and their ``--check`` against one device or one process, which
+makes a script exit non-zero on a mismatch. PS-Lite's port runs in this process on the
+session's Ray cluster (a cluster of its own would cost seconds of start-up).
+
 Single-process examples run in this test process (``runpy`` with a patched ``sys.argv``: the
 8 simulated CPU devices and the compilation cache of the suite are already set up, so no
 process pays JAX's start-up). Multi-process examples run under ``parallax launch -np 2``,
@@ -32,11 +37,30 @@ EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"],
          # px.metrics.Monitor's files, checked below: a log of each step and a trace
          "gradient_accumulation.py": ["--logdir", "{tmp}/logs", "--profile-steps", "2:3"],
          "llama_long_context.py": ["--check", "--seq-len", "64"]}
-SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
-IN_PROCESS = [s for s in SCRIPTS if s not in LAUNCHED | OWN_PROCESS | set(COVERED)]
+# A ported script: the launcher's flags ("in process": runpy here; "ray": runpy here, in the
+# session's Ray cluster) and its arguments (tiny data, two ranks, a few steps, the check on).
+PORTED = {
+    "ported/horovod_tensorflow2_mnist.py": (
+        ["-np", "2"], ["--steps", "6", "--batch", "16", "--check",
+                       "--checkpoint-dir", "{tmp}/checkpoints"]),
+    "ported/torchrun_ddp.py": (
+        ["--nproc-per-node", "2"], ["2", "1", "--dataset_size", "128", "--check",
+                                    "--snapshot_path", "{tmp}/snapshot"]),
+    "ported/pslite_test_kv_app.py": ("ray", ["--num", "1000", "--repeat", "12"]),
+    "ported/tf_custom_training.py": (
+        "in process", ["--epochs", "1", "--train-size", "64", "--test-size", "32",
+                       "--batch-per-replica", "4", "--check", "--checkpoint-dir", "{tmp}/ckpt"]),
+}
+SCRIPTS = sorted([p.name for p in EXAMPLES.glob("*.py")]
+                 + [f"ported/{p.name}" for p in EXAMPLES.glob("ported/*.py")])
+IN_PROCESS = [s for s in SCRIPTS if s not in LAUNCHED | OWN_PROCESS | set(COVERED)
+              and PORTED.get(s, ("in process",))[0] == "in process"]
+IN_RAY_SESSION = [s for s in SCRIPTS if PORTED.get(s, ("",))[0] == "ray"]
 
 
 def argv(name: str, tmp: pathlib.Path) -> list[str]:
+    if name in PORTED:
+        return [a.format(tmp=tmp) for a in PORTED[name][1]]
     return ["--steps", "2"] + [a.format(tmp=tmp) for a in EXTRA.get(name, [])]
 
 
@@ -47,13 +71,12 @@ def test_examples_run_elsewhere_are_run_there(name):
 
 def test_the_readme_lists_every_example_once():
     text = (EXAMPLES / "README.md").read_text()
-    listed = re.findall(r"^\| \[`(\w+\.py)`\]", text, flags=re.M)
+    listed = re.findall(r"^\| \[`((?:ported/)?\w+\.py)`\]", text, flags=re.M)
     assert sorted(listed) == SCRIPTS
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", IN_PROCESS)
-def test_example_runs_in_process(name, tmp_path, monkeypatch, capsys):
+def _run_here(name, tmp_path, monkeypatch, capsys) -> str:
+    """Runs an example in this process; returns what it printed."""
     monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *argv(name, tmp_path)])
     monkeypatch.chdir(tmp_path)  # anything an example writes by default lands here
     try:
@@ -62,6 +85,21 @@ def test_example_runs_in_process(name, tmp_path, monkeypatch, capsys):
         assert exit_.code in (0, None), capsys.readouterr().out[-3000:]
     out = capsys.readouterr().out
     assert out
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("name", IN_RAY_SESSION)
+def test_ray_example_runs_in_the_sessions_cluster(name, tmp_path, monkeypatch, capsys):
+    assert "vs one process" in _run_here(name, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_example_runs_in_process(name, tmp_path, monkeypatch, capsys):
+    out = _run_here(name, tmp_path, monkeypatch, capsys)
     if "--logdir" in EXTRA.get(name, []):
         assert "steps measured" in out and "tokens/s per device" in out  # the final table
         log = (tmp_path / "logs/metrics.jsonl").read_text()
@@ -80,12 +118,14 @@ def _env() -> dict:
 
 @pytest.mark.slow
 def test_multi_process_and_ray_examples_run(tmp_path):
-    names = sorted((LAUNCHED | OWN_PROCESS) & set(SCRIPTS))
+    ported = {name for name, (launch, _) in PORTED.items() if isinstance(launch, list)}
+    names = sorted(((LAUNCHED | OWN_PROCESS) & set(SCRIPTS)) | ported)
     started = {}
     for name in names:
         script = [sys.executable, str(EXAMPLES / name), *argv(name, tmp_path / name)]
-        if name in LAUNCHED:
-            script = [sys.executable, "-m", "parallax.cli", "launch", "-np", "2", *script]
+        launch = PORTED[name][0] if name in PORTED else ["-np", "2"] if name in LAUNCHED else None
+        if launch is not None:
+            script = [sys.executable, "-m", "parallax.cli", "launch", *launch, *script]
         started[name] = subprocess.Popen(script, cwd=tmp_path, env=_env(), text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     failed = {}
@@ -95,6 +135,6 @@ def test_multi_process_and_ray_examples_run(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()  # by its pid: this test started it
             out, _ = proc.communicate()
-        if proc.returncode != 0:
-            failed[name] = out[-3000:]
+        if proc.returncode != 0 or (name in ported and "vs one" not in out):
+            failed[name] = out[-3000:]  # a ported script prints its comparison
     assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())

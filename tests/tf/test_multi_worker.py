@@ -12,20 +12,14 @@ import parallax as px
 from tests.distributed.launching import run_launcher
 from tests.distributed.launching import test_env as launch_env
 
-from .tf_testing import train_mirrored
+from .tf_testing import launched_workers, train_mirrored
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def test_two_workers_equal_one_process():
-    result = run_launcher(
-        ["-np", "2", "--devices-per-process", "2", sys.executable,
-         "tests/tf/programs/multi_worker.py"],
-        env=launch_env(JAX_DEFAULT_MATMUL_PRECISION="highest"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    workers = [json.loads(line) for line in re.findall(r"^\[\d\] RESULT (.*)$", result.stdout,
-                                                       re.M)]
-    assert sorted(w["rank"] for w in workers) == [0, 1]
+    workers = launched_workers("multi_worker.py")
+    assert [w["rank"] for w in workers] == [0, 1]
     for w in workers:
         assert (w["workers"], w["replicas"], w["local"], w["axes"]) == (
             2, 4, 2, ["worker", "replica"])

@@ -12,7 +12,7 @@ import parallax as px
 from tests.distributed.launching import run_launcher
 from tests.distributed.launching import test_env as launch_env
 
-from .tf_testing import GLOBAL_BATCH, train_mirrored
+from .tf_testing import GLOBAL_BATCH, launched_workers, train_mirrored
 
 PER_FILE = 16
 WORKERS, REPLICAS = 2, 2  # per worker; mini-batches of GLOBAL_BATCH / 4 = 8 rows
@@ -70,14 +70,7 @@ def global_batches(policy, files):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_auto_sharding_over_two_workers():
-    result = run_launcher(
-        ["-np", "2", "--devices-per-process", "2", sys.executable,
-         "tests/tf/programs/auto_shard.py"],
-        env=launch_env(JAX_DEFAULT_MATMUL_PRECISION="highest"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    workers = sorted((json.loads(line) for line in re.findall(r"^\[\d\] RESULT (.*)$",
-                                                               result.stdout, re.M)),
-                     key=lambda w: w["rank"])
+    workers = launched_workers("auto_shard.py")
     assert [w["rank"] for w in workers] == [0, 1]
     steps = {"DATA": 2, "FILE": 2, "FILE5": 3, "OFF": 4, "HINT": 2}
     for case, (policy, files, train) in CASES.items():

@@ -84,3 +84,23 @@ def train_mirrored(strategy, batch_norm, data=None):
         per_replica_losses = strategy.run(train_step, args=(model, optimizer, metric, batch))
         losses.append(float(strategy.reduce(px.tf.ReduceOp.SUM, per_replica_losses, axis=None)))
     return losses, nnx.state(model), float(metric.compute())
+
+
+def launched_workers(program: str) -> list[dict]:
+    """Runs ``tests/tf/programs/<program>`` under ``parallax launch -np 2`` (two devices per
+    process); every worker's ``RESULT`` line, parsed, in rank order."""
+    import json
+    import re
+    import sys
+
+    from tests.distributed.launching import run_launcher
+    from tests.distributed.launching import test_env as launch_env
+
+    result = run_launcher(
+        ["-np", "2", "--devices-per-process", "2", sys.executable,
+         f"tests/tf/programs/{program}"],
+        env=launch_env(JAX_DEFAULT_MATMUL_PRECISION="highest"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return sorted((json.loads(line) for line in re.findall(r"^\[\d\] RESULT (.*)$",
+                                                           result.stdout, re.M)),
+                  key=lambda w: w["rank"])

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from parallax.comm import nesting
 from parallax.mesh import describe
-from parallax.strategies import context_ring, context_zigzag
+from parallax.strategies import context_groups, context_ring, context_zigzag
 from parallax.strategy import Strategy
 
 METHODS = ("ring", "all_gather")
@@ -97,7 +97,8 @@ class ContextSplit:
         scale = float(scale) if scale is not None else 1.0 / float(np.sqrt(query.shape[-1]))
         seq = PartitionSpec(None, self.axis)
         if self.method == "ring":
-            kw = dict(axis=self.axis, n=n, causal=causal, scale=scale)
+            kw = dict(axis=self.axis, n=n, causal=causal, scale=scale,
+                      groups=context_groups.current())
             rows = PartitionSpec(None, None, None, self.axis)  # lse [B, G, H/G, T]
             fwd = self._map(functools.partial(context_ring.forward, **kw), (seq,) * 3,
                             (seq, rows))
@@ -129,8 +130,11 @@ class ContextSplit:
             return x
         self.order(x.shape[1], mesh, api)
         seq = PartitionSpec(None, self.axis)
-        forward = self._map(lambda v: context_zigzag.to_natural(v, self.axis, n), seq, seq)
-        backward = self._map(lambda g: context_zigzag.to_zigzag(g, self.axis, n), seq, seq)
+        groups = context_groups.current()
+        forward = self._map(lambda v: context_zigzag.to_natural(v, self.axis, n, groups),
+                            seq, seq)
+        backward = self._map(lambda g: context_zigzag.to_zigzag(g, self.axis, n, groups),
+                             seq, seq)
         # A custom_vjp for the reason _with_vjp gives (its transpose is the inverse exchange).
         natural = jax.custom_vjp(lambda v: forward(v))
         natural.defvjp(lambda v: (forward(v), None), lambda _, g: (backward(g),))
@@ -148,12 +152,7 @@ class ContextSplit:
                     "cannot both split it. Turn sequence parallelism off "
                     "(px.TensorParallel(..., sequence_parallel=False)): context parallelism "
                     "already keeps every activation split by sequence.")
-            if s.grad_fn is not None and "layers" in dict(s.rules):  # a pipeline
-                raise ValueError(
-                    f"px.compose: {s.name} with ContextParallel({self.axis!r}) is not yet "
-                    "supported (a pipeline stage would run the ring inside the pipeline's "
-                    "own shard_map); compose ContextParallel with DataParallel, FSDP/ZeRO "
-                    "and TensorParallel, or pipeline without it.")
+            pass
 
 
 def _splits_heads(heads_axis, mesh: Mesh, query, key) -> bool:

@@ -21,9 +21,18 @@ causal attention costs every device the same; a model reads its positions from
 :func:`parallax.attention.sequence_positions` and returns to natural order with
 :func:`parallax.attention.natural_order` before its output projection (the GPT does).
 
-Not yet supported: pipelines (``compose`` refuses them), and Megatron's sequence
-parallelism, which splits the same sequence dimension over the tensor axis (``compose``
-refuses it: CP already splits the sequence).
+Under ``px.Pipeline`` (data x stage x context) each stage runs its layers' attention over
+the context devices of its own stage: the pipeline's ``shard_map`` is manual over the
+stage axis, attention's is nested in it over ``axis``, and since the stages run different
+actions at a tick, the ring's and the zigzag's point-to-point messages go as all-to-alls
+over ``axis`` (one replica group per stage) instead of ``ppermute`` s
+(:mod:`parallax.strategies.context_groups` says why and what it costs). Tested with GPipe,
+1F1B and ZB-H1 and both methods (``tests/test_context_pipeline.py``). Under a pipeline the
+parameters' gradients are summed over ``axis`` by each backward (once per micro-batch),
+not once per step.
+
+Not supported: Megatron's sequence parallelism, which splits the same sequence dimension
+over the tensor axis (``compose`` refuses it: CP already splits the sequence).
 """
 
 from __future__ import annotations
@@ -82,8 +91,8 @@ class ContextSplit:
         # jax 0.10 cannot lower ("manual axes must come before free axes"). Under remat
         # nothing inside is kept as a residual; the forward still runs once.
         manual = frozenset({self.axis} | ({heads_axis} if heads_axis else set()))
-        nesting.check(manual, API, "Compose ContextParallel with the batch and tensor "
-                      "axes only (pipelines are not yet supported).")
+        nesting.check(manual, API, "Build the mesh with px.make_mesh (it names the context "
+                      "axis after the batch and pipeline axes).")
         return jax.checkpoint(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
                                             axis_names=manual))
 
@@ -152,7 +161,6 @@ class ContextSplit:
                     "cannot both split it. Turn sequence parallelism off "
                     "(px.TensorParallel(..., sequence_parallel=False)): context parallelism "
                     "already keeps every activation split by sequence.")
-            pass
 
 
 def _splits_heads(heads_axis, mesh: Mesh, query, key) -> bool:

@@ -89,14 +89,14 @@ def test_matches_one_device(name):
 
 @pytest.mark.slow
 def test_ring_messages_stay_inside_the_stages():
-    """GPT, stage=2 x context=2, 1F1B (remat "except_last"): per layer, the forward action
+    """GPT, stage=2 x context=4, 1F1B (remat "except_last"): per layer, the forward action
     sends n - 1 K/V blocks, the backward 2n - 1 (n - 1 of K/V, n of their float32
     gradients), the rematerialised forward n - 1 again: 3n - 2 per micro-batch pass (plus
     n - 1 when it is recomputed), each an all-to-all over ``context`` of n slots (one stays
     on the device). The only collective-permute left is the pipeline's own over ``stage``;
     what is all-gathered over ``context`` is in ``first``/``last`` (the embedding's
-    gradients), never in the layers."""
-    axes = {"stage": 2, "context": 2}
+    gradients), never in the layers; the labels' shift is local (no halo over ``context``)."""
+    axes = {"stage": 2, "context": 4}
     n = axes["context"]
     mesh, strategy = mesh_for(axes), strategy_for(axes, "ring", "1f1b")
 

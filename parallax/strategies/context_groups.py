@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from parallax import context
+from parallax.attention import pipeline_stage_axis
 from parallax.comm.compress import ppermute_wire
 
 
@@ -87,10 +88,8 @@ def permute(x: jax.Array, axis: str, n: int, perm, groups: StageGroups | None) -
 def current() -> StageGroups | None:
     """The :class:`StageGroups` of the step being traced: the pipeline's axis when its
     stages are manual here (inside the runtime) and more than one, else None."""
-    ctx = context.current()
-    settings = getattr(getattr(ctx, "strategy", None), "grad_fn", None)
-    axis = getattr(getattr(settings, "settings", None), "axis", None)
-    if ctx is None or axis is None or axis not in ctx.manual_axes:
+    axis = pipeline_stage_axis()
+    if axis is None:
         return None
-    size = int(ctx.mesh.shape.get(axis, 1))
+    size = int(context.current().mesh.shape.get(axis, 1))
     return StageGroups(axis, size) if size > 1 else None

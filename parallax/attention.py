@@ -130,6 +130,40 @@ def in_sequence_order(x: jax.Array, api: str = "parallax.attention.in_sequence_o
     return x if order is None else jnp.take(x, jnp.asarray(order), axis=1)
 
 
+def pipeline_stage_axis() -> str | None:
+    """The pipeline's stage axis while a stage's actions are traced (the axis manual in the
+    pipeline runtime's ``shard_map``), else None.
+
+    Example:
+      >>> pipeline_stage_axis() is None   # outside a parallax step
+      True
+    """
+    ctx = context.current()
+    producer = getattr(getattr(ctx, "strategy", None), "grad_fn", None)
+    axis = getattr(getattr(producer, "settings", None), "axis", None)
+    return axis if ctx is not None and axis in ctx.manual_axes else None
+
+
+def whole_labels(labels: jax.Array) -> jax.Array:
+    """Token ids (sequence on axis 1) held whole on every device of the context axis inside
+    a pipeline stage under context parallelism; the identity elsewhere.
+
+    A loss that shifts its labels (``tokens[:, 1:]``) next to logits split by sequence gets,
+    from GSPMD, a halo ``collective-permute`` of a few ids over the context axis. Inside a
+    pipeline stage that permute spans every stage while one stage runs its action alone, so
+    it would wait forever (:mod:`parallax.strategies.context_groups`); whole ids slice
+    locally.
+
+    Example:
+      >>> whole_labels(jnp.arange(6).reshape(2, 3)).tolist()
+      [[0, 1, 2], [3, 4, 5]]
+    """
+    if _split() is None or pipeline_stage_axis() is None:
+        return labels
+    free = jax.P.UNCONSTRAINED
+    return jax.lax.with_sharding_constraint(labels, jax.P(free, *[None] * (labels.ndim - 1)))
+
+
 def natural_order(x: jax.Array, api: str = "parallax.attention.natural_order") -> jax.Array:
     """``x`` (sequence on axis 1, in the model's order) back in natural order.
 

@@ -219,9 +219,6 @@ def test_compose_refuses_what_cannot_mix():
     with pytest.raises(ValueError, match=r"splits the sequence over 'tensor' and "
                        r"ContextParallel\('context'\).*sequence_parallel=False"):
         px.compose(px.ContextParallel(), px.TensorParallel(sequence_parallel=True))
-    with pytest.raises(ValueError, match=r"Pipeline.*with ContextParallel\('context'\) is not "
-                       r"yet supported"):
-        px.compose(px.Pipeline("stage", microbatches=2), px.ContextParallel())
     with pytest.raises(ValueError, match="both split the sequence's attention"):
         px.compose(px.ContextParallel(), px.ContextParallel("sequence"))
 

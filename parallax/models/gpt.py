@@ -26,7 +26,12 @@ import optax
 from flax import nnx
 
 from parallax import context
-from parallax.attention import in_sequence_order, natural_order, sequence_positions
+from parallax.attention import (
+    in_sequence_order,
+    natural_order,
+    sequence_positions,
+    whole_labels,
+)
 from parallax.step import finite_check
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.gpt_moe import apply_moe_blocks, take_stats
@@ -264,7 +269,7 @@ def next_token_loss(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     if isinstance(config, GPTConfig):  # the targets too: the last column is never embedded
         check_token_ids("next_token_loss", tokens, config.vocab_size)
     logits = jnp.asarray(model(tokens[:, :-1]), jnp.float32)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, whole_labels(tokens[:, 1:]))
     return jnp.mean(losses)
 
 

@@ -21,9 +21,19 @@ causal attention costs every device the same; a model reads its positions from
 :func:`parallax.attention.sequence_positions` and returns to natural order with
 :func:`parallax.attention.natural_order` before its output projection (the GPT does).
 
-Not yet supported: pipelines (``compose`` refuses them), and Megatron's sequence
-parallelism, which splits the same sequence dimension over the tensor axis (``compose``
-refuses it: CP already splits the sequence).
+Under ``px.Pipeline`` (data x stage x context) each stage runs its layers' attention over
+the context devices of its own stage: the pipeline's ``shard_map`` is manual over the
+stage axis, attention's is nested in it over ``axis``, and since the stages run different
+actions at a tick, the ring's and the zigzag's point-to-point messages go as all-to-alls
+over ``axis`` (one replica group per stage) instead of ``ppermute`` s
+(:mod:`parallax.strategies.context_groups` says why and what it costs). Tested with GPipe,
+1F1B and ZB-H1 and both methods (``tests/test_context_pipeline.py``; interleaved 1F1B and
+ZB-V were checked once, outside the suite: ``docs/context_parallel.md``). Under a pipeline the
+parameters' gradients are summed over ``axis`` by each backward (once per micro-batch),
+not once per step.
+
+Not supported: Megatron's sequence parallelism, which splits the same sequence dimension
+over the tensor axis (``compose`` refuses it: CP already splits the sequence).
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from parallax.comm import nesting
 from parallax.mesh import describe
-from parallax.strategies import context_ring, context_zigzag
+from parallax.strategies import context_groups, context_ring, context_zigzag
 from parallax.strategy import Strategy
 
 METHODS = ("ring", "all_gather")
@@ -82,8 +92,8 @@ class ContextSplit:
         # jax 0.10 cannot lower ("manual axes must come before free axes"). Under remat
         # nothing inside is kept as a residual; the forward still runs once.
         manual = frozenset({self.axis} | ({heads_axis} if heads_axis else set()))
-        nesting.check(manual, API, "Compose ContextParallel with the batch and tensor "
-                      "axes only (pipelines are not yet supported).")
+        nesting.check(manual, API, "Build the mesh with px.make_mesh (it names the context "
+                      "axis after the batch and pipeline axes).")
         return jax.checkpoint(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
                                             axis_names=manual))
 
@@ -97,7 +107,8 @@ class ContextSplit:
         scale = float(scale) if scale is not None else 1.0 / float(np.sqrt(query.shape[-1]))
         seq = PartitionSpec(None, self.axis)
         if self.method == "ring":
-            kw = dict(axis=self.axis, n=n, causal=causal, scale=scale)
+            kw = dict(axis=self.axis, n=n, causal=causal, scale=scale,
+                      groups=context_groups.current())
             rows = PartitionSpec(None, None, None, self.axis)  # lse [B, G, H/G, T]
             fwd = self._map(functools.partial(context_ring.forward, **kw), (seq,) * 3,
                             (seq, rows))
@@ -129,8 +140,11 @@ class ContextSplit:
             return x
         self.order(x.shape[1], mesh, api)
         seq = PartitionSpec(None, self.axis)
-        forward = self._map(lambda v: context_zigzag.to_natural(v, self.axis, n), seq, seq)
-        backward = self._map(lambda g: context_zigzag.to_zigzag(g, self.axis, n), seq, seq)
+        groups = context_groups.current()
+        forward = self._map(lambda v: context_zigzag.to_natural(v, self.axis, n, groups),
+                            seq, seq)
+        backward = self._map(lambda g: context_zigzag.to_zigzag(g, self.axis, n, groups),
+                             seq, seq)
         # A custom_vjp for the reason _with_vjp gives (its transpose is the inverse exchange).
         natural = jax.custom_vjp(lambda v: forward(v))
         natural.defvjp(lambda v: (forward(v), None), lambda _, g: (backward(g),))
@@ -148,12 +162,6 @@ class ContextSplit:
                     "cannot both split it. Turn sequence parallelism off "
                     "(px.TensorParallel(..., sequence_parallel=False)): context parallelism "
                     "already keeps every activation split by sequence.")
-            if s.grad_fn is not None and "layers" in dict(s.rules):  # a pipeline
-                raise ValueError(
-                    f"px.compose: {s.name} with ContextParallel({self.axis!r}) is not yet "
-                    "supported (a pipeline stage would run the ring inside the pipeline's "
-                    "own shard_map); compose ContextParallel with DataParallel, FSDP/ZeRO "
-                    "and TensorParallel, or pipeline without it.")
 
 
 def _splits_heads(heads_axis, mesh: Mesh, query, key) -> bool:

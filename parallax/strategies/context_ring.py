@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallax.comm.p2p import shift
+from parallax.comm.p2p import ring_perm
+from parallax.strategies.context_groups import StageGroups, permute
 
 F32 = jnp.float32
 
@@ -101,13 +102,19 @@ def diagonal_mask(c: int) -> jax.Array:
     return pos[:, None] >= pos[None, :]
 
 
-def _forward(q, k, v, axis, n, causal, scale):
+def _shift(x, axis, n, groups):
+    """Device ``i``'s ``x`` to device ``i + 1`` round the axis (within its stage under a
+    pipeline: :mod:`parallax.strategies.context_groups`)."""
+    return permute(x, axis, n, ring_perm(n, 1), groups)
+
+
+def _forward(q, k, v, axis, n, causal, scale, groups=None):
     """``(out, lse)`` of the ring; ``q [B, 2c, G, R, K]``."""
     i, c = lax.axis_index(axis), q.shape[1] // 2
     kv = jnp.stack([k, v])
     acc = _block(q, k, v, scale, diagonal_mask(c) if causal else None)
     for s in range(1, n):
-        kv = shift(kv, axis)  # now device (i - s) mod n's keys and values
+        kv = _shift(kv, axis, n, groups)  # now device (i - s) mod n's keys and values
         kk, vv = kv[0], kv[1]
         if not causal:
             acc = _merge(acc, _block(q, kk, vv, scale))
@@ -140,7 +147,7 @@ def _block_grads(q, k, v, do, lse, delta, scale, mask=None):
     return dq, dk, dv
 
 
-def _backward(q, k, v, out, lse, do, axis, n, causal, scale):
+def _backward(q, k, v, out, lse, do, axis, n, causal, scale, groups=None):
     """``(dq, dk, dv)``: the ring again, gradients of K and V travelling with them."""
     i, c = lax.axis_index(axis), q.shape[1] // 2
     do = do.astype(F32)
@@ -149,7 +156,7 @@ def _backward(q, k, v, out, lse, do, axis, n, causal, scale):
                               diagonal_mask(c) if causal else None)
     kv, dkv = jnp.stack([k, v]), jnp.stack([dk, dv])
     for s in range(1, n):
-        kv, dkv = shift(kv, axis), shift(dkv, axis)
+        kv, dkv = _shift(kv, axis, n, groups), _shift(dkv, axis, n, groups)
         kk, vv = kv[0], kv[1]
         if not causal:
             gq, gk, gv = _block_grads(q, kk, vv, do, lse, delta, scale)
@@ -166,7 +173,7 @@ def _backward(q, k, v, out, lse, do, axis, n, causal, scale):
             return dq.at[:, c:].add(gq), dkv + jnp.stack([gk, gv])
 
         dq, dkv = lax.cond((i - s) % n < i, earlier, later, dq, dkv)
-    dkv = shift(dkv, axis) if n > 1 else dkv  # the n-th shift takes them home
+    dkv = _shift(dkv, axis, n, groups) if n > 1 else dkv  # the n-th shift takes them home
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
@@ -192,19 +199,22 @@ def _grouped(query, key):
     return query.reshape(b, t, key.shape[2], h // key.shape[2], d)
 
 
-def forward(query, key, value, *, axis: str, n: int, causal: bool, scale: float):
+def forward(query, key, value, *, axis: str, n: int, causal: bool, scale: float,
+            groups: StageGroups | None = None):
     """``(out [B, 2c, H, K], lse [B, G, H/G, 2c])``: the ring's output and each query row's
-    log-sum-exp, which :func:`backward` needs. Inside a ``shard_map`` manual over ``axis``."""
-    out, lse = _forward(_grouped(query, key), key, value, axis, n, causal, float(scale))
+    log-sum-exp, which :func:`backward` needs. Inside a ``shard_map`` manual over ``axis``;
+    ``groups``: the pipeline's stages, inside its runtime."""
+    out, lse = _forward(_grouped(query, key), key, value, axis, n, causal, float(scale),
+                        groups)
     return out.reshape(query.shape), lse
 
 
 def backward(query, key, value, out, lse, d_out, *, axis: str, n: int, causal: bool,
-             scale: float):
+             scale: float, groups: StageGroups | None = None):
     """``(d_query, d_key, d_value)`` from :func:`forward`'s output and log-sum-exp."""
     q = _grouped(query, key)
     dq, dk, dv = _backward(q, key, value, out.reshape(q.shape), lse,
-                           d_out.reshape(q.shape), axis, n, causal, float(scale))
+                           d_out.reshape(q.shape), axis, n, causal, float(scale), groups)
     return dq.reshape(query.shape), dk, dv
 
 

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallax.strategies.context_groups import StageGroups
+
 
 def chunks(n: int) -> np.ndarray:
     """``[n, 2]``: the chunks device ``i`` holds, ``(i, 2n - 1 - i)``.
@@ -74,13 +76,18 @@ def _routes(n: int, parity: int) -> list[tuple[int, int]]:
     return [(holder[c], c // 2) for c in range(parity, 2 * n, 2)]
 
 
-def _send(x, axis: str, pairs):
-    """``ppermute`` over ``pairs``; nothing when every device keeps its own (n = 2, even
-    chunks), which XLA would still copy."""
-    return x if all(a == b for a, b in pairs) else lax.ppermute(x, axis, pairs)
+def _send(x, axis: str, pairs, groups: StageGroups | None):
+    """``ppermute`` over ``pairs`` (within each stage under a pipeline: ``groups``); nothing
+    when every device keeps its own (n = 2, even chunks), which XLA would still copy."""
+    if all(a == b for a, b in pairs):
+        return x
+    if groups is None:
+        return lax.ppermute(x, axis, pairs)
+    return groups.permute(x, axis, len(pairs), pairs)
 
 
-def to_natural(x: jax.Array, axis: str, n: int) -> jax.Array:
+def to_natural(x: jax.Array, axis: str, n: int, groups: StageGroups | None = None
+               ) -> jax.Array:
     """This device's zigzag slots ``[B, 2c, ...]`` -> its natural slots (chunks ``2i, 2i+1``).
 
     Call inside a ``shard_map`` manual over ``axis``. Each device holds one even and one odd
@@ -100,12 +107,13 @@ def to_natural(x: jax.Array, axis: str, n: int) -> jax.Array:
     even_first = lax.axis_index(axis) % 2 == 0  # chunk i is even exactly when i is
     even = jnp.where(even_first, first, second)
     odd = jnp.where(even_first, second, first)
-    even = _send(even, axis, _routes(n, 0))
-    odd = _send(odd, axis, _routes(n, 1))
+    even = _send(even, axis, _routes(n, 0), groups)
+    odd = _send(odd, axis, _routes(n, 1), groups)
     return jnp.concatenate([even, odd], axis=1)
 
 
-def to_zigzag(x: jax.Array, axis: str, n: int) -> jax.Array:
+def to_zigzag(x: jax.Array, axis: str, n: int, groups: StageGroups | None = None
+              ) -> jax.Array:
     """The inverse of :func:`to_natural` (its transpose): natural slots -> zigzag slots.
 
     Example:
@@ -118,8 +126,8 @@ def to_zigzag(x: jax.Array, axis: str, n: int) -> jax.Array:
     """
     c = x.shape[1] // 2
     back = lambda pairs: [(dst, src) for src, dst in pairs]
-    even = _send(x[:, :c], axis, back(_routes(n, 0)))
-    odd = _send(x[:, c:], axis, back(_routes(n, 1)))
+    even = _send(x[:, :c], axis, back(_routes(n, 0)), groups)
+    odd = _send(x[:, c:], axis, back(_routes(n, 1)), groups)
     even_first = lax.axis_index(axis) % 2 == 0
     return jnp.concatenate([jnp.where(even_first, even, odd),
                             jnp.where(even_first, odd, even)], axis=1)

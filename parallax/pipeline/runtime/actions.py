@@ -31,7 +31,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from parallax import context
 from parallax.pipeline.runtime import stage_state, stashed
 from parallax.pipeline.runtime.chunk import Chunk
 from parallax.pipeline.runtime.guarded import guard_when, when
@@ -90,6 +92,22 @@ class Env(NamedTuple):
         """Does the table have cells of ``kind`` with, and without, ``flag``?"""
         return self.lowered.mixed[kind, flag]
 
+    def batch(self, m) -> Any:
+        """Micro-batch ``m`` (``[rows, ...]`` per leaf), as ``first`` and ``last`` read it.
+
+        Under context parallelism each leaf is pinned whole past its rows on the automatic
+        axes: ``first`` and ``last`` read the token ids at two offsets (inputs, labels), and
+        left to GSPMD the ids are split by sequence and the shift becomes a halo
+        ``collective-permute`` whose pairs span every stage, on which a stage running its
+        action alone waits forever. The ids are small; each device holds them anyway.
+        """
+        batch = read(self.micro, m)
+        ctx = context.current()
+        if ctx is None or ctx.strategy.sequence_split is None:
+            return batch
+        return jax.tree.map(lambda x: lax.with_sharding_constraint(
+            x, P(P.UNCONSTRAINED, *[None] * (x.ndim - 1))) if x.ndim > 1 else x, batch)
+
     def mask(self, cell):
         return None if self.slot_mask is None else _at(self.slot_mask, cell["chunk"])
 
@@ -117,7 +135,7 @@ def forward(env: Env, cell, st: dict) -> dict:
     st = dict(st)
     m, c = cell["microbatch"], cell["chunk"]
     params = [_at(p, c) for p in (st["live"] if env.versions else env.stacked)]
-    batch = read(env.micro, m)
+    batch = env.batch(m)
     s_raw = [_at(x, c) for x in st.get("s_live", [])]
     o_raw = st.get("o_live", [])
     received = read(st["inbox"], cell["read_inbox"])
@@ -216,7 +234,7 @@ def _backward(env: Env, kind: str, cell, st: dict) -> dict:
 
     def first_backward():
         o_in = env.others_in(start["others"], m)
-        _, pullback = jax.vjp(lambda o: env.prog.first(o, o_in, read(env.micro, m))[0],
+        _, pullback = jax.vjp(lambda o: env.prog.first(o, o_in, env.batch(m))[0],
                               env.others)
         return [env.vary(g.astype(wide(g.dtype))) for g in pullback(dx)[0]]
 

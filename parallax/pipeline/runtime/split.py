@@ -136,7 +136,9 @@ def _inexact(x) -> bool:
 
 
 def _bind(eqn: _Eqn, args: list) -> list:
-    out = eqn.primitive.bind(*args, **eqn.params)
+    # get_bind_params turns a jaxpr-holding equation's params (custom_vjp_call, shard_map)
+    # back into the functions its bind takes, as jax.core.eval_jaxpr does
+    out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 

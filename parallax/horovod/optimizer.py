@@ -108,7 +108,7 @@ def _reduce(grads, mode: str, op: ReduceOp, wire, predivide: float, fusion_bytes
         rounded = [g.astype(wire.wire_dtype(g.dtype)).astype(g.dtype) for g in leaves]
         if mode == "program":
             return jax.tree.unflatten(treedef, adasum_all_reduce(rounded, axis_name))
-        summed = _eager_rows(("adasum", per_process()), rounded)
+        summed = _eager_adasum(rounded)
         return jax.tree.unflatten(treedef, summed)
     scaled = [g / predivide for g in leaves] if predivide != 1.0 else leaves
     if mode == "program":
@@ -157,16 +157,17 @@ def _eager_fused_sum(leaves, wire) -> list:
 
 
 @functools.cache
-def _jitted(kind: tuple):
-    """One jitted program per kind (jit caches by function identity)."""
-    return jax.jit(functools.partial(_adasum_rows, copies=kind[1]),
+def _adasum_program(copies: int):
+    """The jitted Adasum of every process's rows (jit caches by function identity)."""
+    return jax.jit(functools.partial(_adasum_rows, copies=copies),
                    out_shardings=local_arrays.replicated())
 
 
-def _eager_rows(kind: tuple, leaves):
-    """The ``kind`` of reduction of every process's rows of ``leaves`` (one program)."""
+def _eager_adasum(leaves):
+    """Adasum of every process's rows of ``leaves`` (one program), as this process's arrays."""
     rows = [local_arrays.stack(np.asarray(g)) for g in leaves]
-    return [jnp.asarray(local_arrays.local_copy(o)) for o in _jitted(kind)(rows)]
+    program = _adasum_program(per_process())
+    return [jnp.asarray(local_arrays.local_copy(o)) for o in program(rows)]
 
 
 def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None,

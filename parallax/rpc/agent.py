@@ -98,21 +98,20 @@ class Agent:
     def _start(self, to: str, method: str, args: tuple, timeout, describe: str,
                wait: bool) -> Future:
         sent = time.time() if self.call_log is not None else None  # before it leaves
-        if to == self.name:
-            future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
+        reply = None
+        if to != self.name:
+            reply = Reply(self._submit(to, method, args, describe), to, self.names.index(to),
+                          describe)
+        # with wait, this thread's wait() (which comes next) reads the reply
+        future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines,
+                        reply=reply if wait else None)
+        if reply is None:
             done = self.executor.submit(getattr(self.state, method), *args)
             done.add_done_callback(lambda d: future.set_exception(d.exception())
                                    if d.exception() else future.set_result(d.result()))
-        else:
-            reply = Reply(self._submit(to, method, args, describe), to, self.names.index(to),
-                          describe)
-            if wait:  # read by this thread's wait(), which comes next
-                future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines,
-                                reply=reply)
-            else:
-                future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
-                future.object_ref = reply.object_ref
-                reply.read_later(future)
+        elif not wait:
+            future.object_ref = reply.object_ref
+            reply.read_later(future)
         if self.call_log is not None:
             self.call_log.start(self.name, to, method, describe, args, future, sent)
         with self.lock:

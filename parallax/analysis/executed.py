@@ -47,17 +47,21 @@ _SLICES = {"slice", "dynamic-slice", "gather"}
 
 @dataclasses.dataclass
 class Cost:
-    """Executed totals: ``flops``, ``bytes`` accessed, and how often each opcode ran."""
+    """Executed totals: ``flops``, ``bytes`` accessed, how often each opcode ran, and the
+    bytes each opcode accessed (``op_bytes``; a fusion's under ``"fusion"``)."""
 
     flops: float = 0.0
     bytes: float = 0.0
     ops: Counter = dataclasses.field(default_factory=Counter)
+    op_bytes: Counter = dataclasses.field(default_factory=Counter)
 
     def add(self, other: Cost, times: float = 1.0) -> None:
         self.flops += times * other.flops
         self.bytes += times * other.bytes
         for op, n in other.ops.items():
             self.ops[op] += times * n
+        for op, n in other.op_bytes.items():
+            self.op_bytes[op] += times * n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +197,11 @@ def executed_cost(program, fractions: Fractions | None = None, *,
             inner = _fused_cost(computations, fused[0]) if fused else (0.0, {})
             cost.flops += inner[0]
             cost.bytes += _fusion_bytes(ins, computations.get(fused[0], []) if fused else [])
+            cost.op_bytes["fusion"] += cost.bytes
             return cost
         cost.flops += _flops(ins)
         cost.bytes += _instruction_bytes(ins)
+        cost.op_bytes[ins.opcode] += cost.bytes
         return cost
 
     return computation_cost(entry)

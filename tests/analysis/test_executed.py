@@ -68,10 +68,18 @@ def test_the_pipeline_computes_what_the_sequential_model_computes():
     # bytes: each action writes its slots and accumulators in place, each layer of its
     # layer loop reads and writes its ring slots at [slot, layer], and a tick that runs
     # none touches no buffer, and 1F1B's backward runs its W inside its B; no ring has a
-    # spare row it does not need, nor stashes the causal mask (1.079x measured; 1.12x
-    # before those two, 1.27x with B and W apart, 2.0x while the layer loop built its
-    # stash in a buffer of its own, 3.2x while every tick stored a stash slot)
-    assert sched.stages * run.bytes / seq.bytes < 1.1
+    # spare row it does not need, nor stashes the causal mask (1.079x measured on jax
+    # 0.10.2; 1.12x before those two, 1.27x with B and W apart, 2.0x while the layer loop
+    # built its stash in a buffer of its own, 3.2x while every tick stored a stash slot).
+    # jax 0.12.1 measures 1.108x because the *reference* got cheaper: XLA 0.12 elides
+    # 8.5 MB of the one-device program's copies (37.1 -> 28.6 MB of 317 -> 295 MB), while
+    # the pipeline had 5.6 MB of copies on both versions and its own surplus over the
+    # sequential program (ring slot writes, float32 accumulators, buffer zeros: 25-32 MB)
+    # did not grow. Without the plain copies, the ratio is 1.20x on both versions.
+    ratio = sched.stages * run.bytes / seq.bytes
+    assert ratio < (1.1 if jax.__version_info__ < (0, 12) else 1.12), ratio
+    assert sched.stages * (run.bytes - run.op_bytes["copy"]) \
+        / (seq.bytes - seq.op_bytes["copy"]) < 1.22
 
 
 @pytest.mark.slow

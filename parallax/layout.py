@@ -30,7 +30,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallax import rules as rules_lib
-from parallax.strategy import StateSharding, Strategy
+from parallax.strategy import Strategy
+from parallax.strategy_hooks import StateSharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +88,9 @@ def param_layouts(params, strategy: Strategy, mesh, api: str,
 
     ``prefix`` is where ``params`` sits in the tree the user passed, for error messages;
     ``source`` is the state or module they come from, from which a strategy's
-    ``param_names`` (a tensor-parallel plan) names the parameters the model left unnamed.
+    ``model_hooks.param_names`` (a tensor-parallel plan) names the parameters the model left unnamed.
     """
-    table, zero = strategy.rule_table, strategy.zero
+    table, zero, hooks = strategy.rule_table, strategy.zero, strategy.model_hooks
     planned = planned_names(source, strategy, api)
     layouts = []
     for leaf in rules_lib.annotated_leaves(params):
@@ -98,7 +99,7 @@ def param_layouts(params, strategy: Strategy, mesh, api: str,
         if names is None and planned:
             names = planned.get(dotted_key(leaf.path))
         if names is not None and not leaf.physical:
-            for check in strategy.param_checks:  # strategy-specific messages come first
+            for check in hooks.param_checks:  # strategy-specific messages come first
                 check(names, shape, mesh, path=prefix + leaf.path, api=api)
         base = rules_lib.resolve_spec(
             names, shape, table, mesh, api=api, physical=leaf.physical,
@@ -106,9 +107,9 @@ def param_layouts(params, strategy: Strategy, mesh, api: str,
         )
         dim = zero.shard_dim(base, shape, names, mesh) if zero is not None else None
         layouts.append(LeafLayout(leaf.path, shape, base, dim, zero))
-    if strategy.layout_checks:
+    if hooks.layout_checks:
         model = module_of(source)
-        for check in strategy.layout_checks:
+        for check in hooks.layout_checks:
             check(layouts, mesh, api=api, prefix=prefix, model=model)
     return layouts
 
@@ -133,11 +134,12 @@ def module_of(source) -> nnx.Module | None:
 
 def planned_names(source, strategy: Strategy, api: str) -> dict:
     """``{dotted parameter path: names}`` from the strategy's ``param_names`` sources."""
-    if not strategy.param_names:
+    sources = strategy.model_hooks.param_names
+    if not sources:
         return {}
     model = module_of(source)
     names: dict = {}
-    for names_of in strategy.param_names:
+    for names_of in sources:
         names.update(names_of(model, api))
     return names
 

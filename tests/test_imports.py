@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).parents[1] / "parallax"
 # of its own layer or below. Everything under the parallelisms is the core they build on.
 LAYERS = (
     ("comm", "analysis", "old_import_paths"),  # engines: XLA collectives; compiled programs read
-    ("mesh", "rules", "strategy", "layout", "state", "context", "activations", "attention",
+    ("mesh", "rules", "strategy_hooks", "strategy", "layout", "state", "context", "activations", "attention",
      "precision", "loss_scale"),  # the nouns
     ("step",),  # around the user's step: init, shard, train_step, the batch
     ("grad",),  # around gradients: value_and_grad, producers, micro-batches, module state

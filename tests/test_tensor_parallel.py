@@ -234,7 +234,7 @@ INDIVISIBLE = {
 @pytest.mark.parametrize("what", INDIVISIBLE)
 def test_indivisible_heads_mlp_and_vocabulary(what):
     # Both styles, and the check on its own, give Megatron's fix; px.init runs it before
-    # the generic layout check (Strategy.param_checks).
+    # the generic layout check (ModelHooks.param_checks).
     overrides, path, message = INDIVISIBLE[what]
     with pytest.raises(ValueError, match=r"px.init: \.params" + path + message):
         px.init(_gpt_state(**overrides), _mesh4(), px.TensorParallel("tensor"))
@@ -247,7 +247,7 @@ def test_indivisible_heads_mlp_and_vocabulary(what):
 
 def test_the_check_is_a_value_that_composition_keeps():
     strategy = px.compose(px.DataParallel("data"), px.TensorParallel("tensor"))
-    assert strategy.param_checks == (tp.MegatronCheck("tensor"),)
+    assert strategy.model_hooks.param_checks == (tp.MegatronCheck("tensor"),)
     assert px.TensorParallel("tensor") == px.TensorParallel("tensor")
     # Key/value heads are never split by the rules (GSPMD replicates them): not checked.
     tp.MegatronCheck("tensor")(("embed", "kv_heads", "kv"), (48, 3, 8), _mesh4())

@@ -121,7 +121,7 @@ def value_and_grad(
         scale = precision_scale(policy, parts.params)
         local = SliceLoss(loss_fn, parts, args, has_aux, options,
                           axes=axes if explicit else (), check=finite_check.active(),
-                          hooks=strategy.module_hooks if strategy is not None else (),
+                          hooks=strategy.model_hooks.before_loss if strategy is not None else (),
                           precision=policy, scale=scale)
         produce, split = gradient_producer(local, strategy, microbatches)
         check_microbatches(batch, split, API, axis_size(ctx.mesh, axes) if axes else 1)

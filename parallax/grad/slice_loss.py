@@ -112,7 +112,7 @@ class SliceLoss:
       position: the slice's place in one device's batch.
       statics: where static auxiliary leaves are set aside while tracing.
       check: record the model's checks (a step with ``check_finite=True``).
-      hooks: the strategy's ``module_hooks``, run on the rebuilt module.
+      hooks: the strategy's ``model_hooks.before_loss``, run on the rebuilt module.
       precision: the strategy's ``parallax.precision.Policy``: parameters and floating
         batch leaves cast to its compute dtype, the loss back to float32.
       scale: the loss scale the loss is multiplied by (None: not scaled).

@@ -31,12 +31,12 @@ from jax.sharding import Mesh
 
 from parallax.mesh import describe
 from parallax.strategies.expert_dispatch import ExpertExchange
-from parallax.strategy import Strategy, check_style
+from parallax.strategy import ModelHooks, Strategy, check_style
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertDivisibility:
-    """``param_checks`` entry: the expert count must split evenly over the axis."""
+    """A ``ModelHooks.param_checks`` entry: the expert count must split evenly over the axis."""
 
     axis: str
 
@@ -87,4 +87,4 @@ def ExpertParallel(axis: str = "expert", *, style: str | None = None) -> Strateg
     style = check_style("px.ExpertParallel", style)
     return Strategy(name=f"ExpertParallel({axis!r})", rules=(("expert", axis),),
                     batch_axes=(axis,), style=style, experts=ExpertExchange(axis),
-                    param_checks=(ExpertDivisibility(axis),))
+                    model_hooks=ModelHooks(param_checks=(ExpertDivisibility(axis),)))

@@ -26,7 +26,7 @@ import dataclasses
 from parallax.rules import annotated_leaves, as_tuple, readable_path
 from parallax.strategies.tensor_plan import TensorPlan
 from parallax.strategies.tensor_sequence import SequenceLayouts
-from parallax.strategy import Strategy
+from parallax.strategy import ModelHooks, Strategy
 
 SPLIT_NAMES = ("heads", "mlp", "vocab")
 _FIXES = {
@@ -81,12 +81,13 @@ def TensorParallel(axis: str = "tensor", *, sequence_parallel: bool = False,
     if sequence_parallel:
         rules.append(("sequence", axis))
     plans = (TensorPlan.of(plan, axis),) if plan is not None else ()
-    hooks = tuple(SequenceLayouts(p, axis) for p in plans) if sequence_parallel else ()
+    sequence = tuple(SequenceLayouts(p, axis) for p in plans) if sequence_parallel else ()
     extra = (", sequence_parallel=True" if sequence_parallel else "") + (
         f", plan={plan!r}" if plan is not None else "")
+    hooks = ModelHooks(param_checks=(MegatronCheck(axis),), param_names=plans,
+                       layout_checks=(SplitsSomething(axis),), before_loss=sequence)
     return Strategy(name=f"TensorParallel({axis!r}{extra})", rules=tuple(rules),
-                    param_checks=(MegatronCheck(axis),), param_names=plans,
-                    layout_checks=(SplitsSomething(axis),), module_hooks=hooks)
+                    model_hooks=hooks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ class SplitsSomething:
 
 @dataclasses.dataclass(frozen=True)
 class MegatronCheck:
-    """``TensorParallel``'s parameter check (a ``Strategy.param_checks`` entry).
+    """``TensorParallel``'s parameter check (a ``ModelHooks.param_checks`` entry).
 
     ``px.init``, ``px.shard`` and ``px.train_step`` call it on every annotated parameter, so
     a head count, MLP width or vocabulary that does not split over the tensor axis fails

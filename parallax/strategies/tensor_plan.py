@@ -197,7 +197,7 @@ class TensorPlan:
         return found
 
     def __call__(self, model, api: str = "px.TensorParallel") -> dict[str, Names]:
-        """``{dotted parameter path: logical names}`` (a ``Strategy.param_names`` source)."""
+        """``{dotted parameter path: logical names}`` (a ``ModelHooks.param_names`` source)."""
         if model is None:
             raise TypeError(
                 f"{api}: a tensor-parallel plan reads the model's layers, so it needs an "

@@ -86,7 +86,7 @@ def _sequence_class(cls: type, style: str, axis: str) -> type:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceLayouts:
-    """A ``Strategy.module_hooks`` entry: pins sequence-parallel layouts on planned modules.
+    """A ``ModelHooks.before_loss`` entry: pins sequence-parallel layouts on planned modules.
 
     Attributes:
       plan: the ``TensorPlan`` whose styles say which module gets which layout.

@@ -25,8 +25,9 @@ LAYERS = (
     ("grad",),  # around gradients: value_and_grad, producers, micro-batches, module state
     ("distributed", "checkpoint"),  # jax.distributed and Orbax, placing by the core's layouts
     ("pipeline",),  # the parallelisms
-    ("strategies", "models"),
-    ("nn",),
+    ("strategies",),
+    ("nn",),  # layers (nn.tensor_parallel runs them under px.TensorParallel's rules)
+    ("models",),  # networks of nn's layers
     ("planner",),  # predicting and choosing among the strategies
     ("metrics",),  # watching a run: throughput, MFU, memory, logs, profiles
     ("ps", "rpc"),  # the originals' APIs

@@ -35,21 +35,20 @@ from parallax.attention import (
 from parallax.step import finite_check
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.gpt_moe import apply_moe_blocks, take_stats
-from parallax.models.moe import MoE, aux_loss
-from parallax.models.layers import (
+from parallax.nn.moe import MoE, aux_loss
+from parallax.nn.layers import (
     CausalSelfAttention,
     FeedForward,
+    RESIDUAL,
+    WHOLE_SEQUENCE,
     LayerNorm,
     annotated_param,
     gather_sequence,
 )
-from parallax.models.padding import mask_padded_logits, padded_init
+from parallax.nn.padding import mask_padded_logits, padded_init
 from parallax.mesh import axes_text, axis_size
 from parallax.activations import constrain
 from parallax.rules import as_tuple
-
-RESIDUAL = ("batch", "sequence", "embed")
-WHOLE_SEQUENCE = ("batch", None, "embed")  # before a column-parallel matmul
 
 
 def check_sequence(api: str, seq: int) -> None:

@@ -38,9 +38,9 @@ from jax import lax
 
 from parallax import context
 from parallax.comm.varying import to_varying
-from parallax.models.layers import annotated_param
-from parallax.models.moe_config import MoEConfig
-from parallax.models.moe_routing import dispatch_tensors, route, router_stats
+from parallax.nn.layers import annotated_param
+from parallax.nn.moe_config import MoEConfig
+from parallax.nn.moe_routing import dispatch_tensors, route, router_stats
 
 Initializer = nnx.initializers.Initializer
 

@@ -58,7 +58,9 @@ MOVED = {
     "parallax.models.padding": "parallax.nn.padding",
     "parallax.models.rope": "parallax.nn.rope",
     "parallax.nn.gpt": "parallax.models.parallel_gpt",
+    "parallax.pipeline.module_state": "parallax.pipeline.runtime.module_state",
     "parallax.pipeline.runtime.executed": "parallax.analysis.executed",
+    "parallax.pipeline.settings": "parallax.pipeline.runtime.settings",
     "parallax.pipeline.schedules.rules": "parallax.pipeline.schedules.dependencies",
 }
 

@@ -28,7 +28,7 @@ MOVED = {
     "parallax.batch": "parallax.step.batch",
     "parallax.context_binding": "parallax.context",
     "parallax.demo": "parallax.cli.demo",
-    "parallax.finite": "parallax.step.finite_check",
+    "parallax.finite": "parallax.finite_check",
     "parallax.guards": "parallax.step.boundary_checks",
     "parallax.lazy_names": "parallax.ps.lazy_names",
     "parallax.local_loss": "parallax.grad.slice_loss",
@@ -62,6 +62,7 @@ MOVED = {
     "parallax.pipeline.runtime.executed": "parallax.analysis.executed",
     "parallax.pipeline.settings": "parallax.pipeline.runtime.settings",
     "parallax.pipeline.schedules.rules": "parallax.pipeline.schedules.dependencies",
+    "parallax.step.finite_check": "parallax.finite_check",
 }
 
 

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).parents[1] / "parallax"
 LAYERS = (
     ("comm", "analysis", "old_import_paths"),  # engines: XLA collectives; compiled programs read
     ("mesh", "rules", "strategy", "layout", "state", "context", "activations", "attention",
-     "precision", "loss_scale"),  # the nouns
+     "finite_check", "precision", "loss_scale"),  # the nouns
     ("step",),  # around the user's step: init, shard, train_step, the batch
     ("grad",),  # around gradients: value_and_grad, producers, micro-batches, module state
     ("distributed", "checkpoint"),  # jax.distributed and Orbax, placing by the core's layouts

@@ -34,7 +34,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from parallax import context, layout, loss_scale
-from parallax.step import finite_check
+from parallax import finite_check
 from parallax.grad.aux_outputs import join_examples, over_shards, restore_static, split_examples
 from parallax.step.batch import check_batch_tree
 from parallax.grad.slice_loss import LocalResult, SliceLoss, leading_size

@@ -32,7 +32,7 @@ from parallax.attention import (
     sequence_positions,
     whole_labels,
 )
-from parallax.step import finite_check
+from parallax import finite_check
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.gpt_moe import apply_moe_blocks, take_stats
 from parallax.nn.moe import MoE, aux_loss

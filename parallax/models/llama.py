@@ -37,7 +37,7 @@ from parallax.nn.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
 from parallax.nn.padding import mask_padded_logits, padded_init
 from parallax.nn.rope import rope_frequencies
 from parallax.pipeline.stages import Stages
-from parallax.step import finite_check
+from parallax import finite_check
 
 # Megatron's styles of the Llama's weights (torchtitan's plan for its Llama, by our paths).
 TENSOR_PLAN = {

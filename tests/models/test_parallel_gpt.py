@@ -1,7 +1,6 @@
 """px.models.ParallelGPT: the reference GPT's parameters and numbers, in the explicit wrapper."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

@@ -25,7 +25,8 @@ from parallax.pipeline.runtime.stashed import Versions
 from parallax.pipeline.runtime.checks import POLICIES, REMAT
 from parallax.pipeline.schedules.table import Schedule
 from parallax.pipeline.runtime.settings import PipelineSettings
-from parallax.pipeline.stages import Stages, program
+from parallax.pipeline.runtime.program import program
+from parallax.pipeline.stages import Stages
 from parallax.grad.sliced_rng import WHOLE
 
 __all__ = ["POLICIES", "REMAT", "pipeline_grads", "pipeline_update", "value_and_grad"]
@@ -43,7 +44,7 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch,
     ran at each tick, ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what
     executed, to compare with ``Schedule.as_arrays().kind``. ``api`` is named in errors.
     ``precision`` (a ``parallax.precision.Policy``) and ``scale`` (the loss scale): the
-    stages compute in the policy's dtype (:func:`parallax.pipeline.stages.program`).
+    stages compute in the policy's dtype (:func:`parallax.pipeline.runtime.program.program`).
     """
     prog, sched, layout = _prepare(stages, params, rebuild, batch, settings, api, state,
                                    precision=precision, scale=scale)

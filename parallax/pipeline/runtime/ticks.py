@@ -59,7 +59,7 @@ from parallax.pipeline.runtime.guarded import guard
 from parallax.pipeline.runtime.lowering import RUNTIME_CODES, LoweredSchedule, lower_schedule
 from parallax.pipeline.schedules.table import Schedule
 from parallax.pipeline.runtime.settings import PipelineSettings
-from parallax.pipeline.stages import Program
+from parallax.pipeline.runtime.program import Program
 from parallax.comm.varying import to_varying, varying_axes
 
 

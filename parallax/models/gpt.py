@@ -51,7 +51,7 @@ from parallax.activations import constrain
 def create_gpt_params(module: nnx.Module, config: GPTConfig, rngs: nnx.Rngs, make_block) -> None:
     """Sets the GPT's parameters on ``module``: ``wte``, ``wpe``, ``blocks``, ``ln_f``, ``head``.
 
-    Shared by :class:`GPT` and ``px.nn.ParallelGPT`` (``make_block(rngs)`` builds one block),
+    Shared by :class:`GPT` and ``px.models.ParallelGPT`` (``make_block(rngs)`` builds one block),
     whose parameter trees, names and values from one seed must be identical.
     """
     c, init = config, nnx.initializers.normal(0.02)

@@ -28,7 +28,7 @@ MOVED = {
     "parallax.batch": "parallax.step.batch",
     "parallax.context_binding": "parallax.context",
     "parallax.demo": "parallax.cli.demo",
-    "parallax.finite": "parallax.step.finite_check",
+    "parallax.finite": "parallax.finite_check",
     "parallax.guards": "parallax.step.boundary_checks",
     "parallax.lazy_names": "parallax.ps.lazy_names",
     "parallax.local_loss": "parallax.grad.slice_loss",
@@ -50,8 +50,19 @@ MOVED = {
     "parallax.analysis.report": "parallax.planner.report",
     "parallax.analysis.roofline": "parallax.planner.roofline",
     "parallax.analysis.setting": "parallax.planner.setting",
+    "parallax.models.layers": "parallax.nn.layers",
+    "parallax.models.llama_layers": "parallax.nn.llama_layers",
+    "parallax.models.moe": "parallax.nn.moe",
+    "parallax.models.moe_config": "parallax.nn.moe_config",
+    "parallax.models.moe_routing": "parallax.nn.moe_routing",
+    "parallax.models.padding": "parallax.nn.padding",
+    "parallax.models.rope": "parallax.nn.rope",
+    "parallax.nn.gpt": "parallax.models.parallel_gpt",
+    "parallax.pipeline.module_state": "parallax.pipeline.runtime.module_state",
     "parallax.pipeline.runtime.executed": "parallax.analysis.executed",
+    "parallax.pipeline.settings": "parallax.pipeline.runtime.settings",
     "parallax.pipeline.schedules.rules": "parallax.pipeline.schedules.dependencies",
+    "parallax.step.finite_check": "parallax.finite_check",
 }
 
 

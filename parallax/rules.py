@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.core import meta as linen_meta
 from flax.linen.spmd import LogicallyPartitioned
@@ -82,6 +83,12 @@ def readable_path(path: tuple) -> str:
     """``keystr`` of a parameter's path without NNX's trailing ``.value``."""
     return jax.tree_util.keystr(tuple(
         k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
+
+
+def is_array(x) -> bool:
+    """Arrays (``jax.Array``, tracers, numpy) as opposed to static Python values: the leaves
+    a layout places (a batch, a state, a model's outputs) rather than carries along."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def as_tuple(axes: MeshAxes) -> tuple[str, ...]:

@@ -19,14 +19,15 @@ ROOT = pathlib.Path(__file__).parents[1] / "parallax"
 # of its own layer or below. Everything under the parallelisms is the core they build on.
 LAYERS = (
     ("comm", "analysis", "old_import_paths"),  # engines: XLA collectives; compiled programs read
-    ("mesh", "rules", "strategy_hooks", "strategy", "layout", "state", "context", "activations", "attention",
-     "precision", "loss_scale"),  # the nouns
+    ("mesh", "rules", "strategy_hooks", "strategy", "layout", "state", "context",
+     "activations", "attention", "finite_check", "precision", "loss_scale"),  # the nouns
     ("step",),  # around the user's step: init, shard, train_step, the batch
     ("grad",),  # around gradients: value_and_grad, producers, micro-batches, module state
     ("distributed", "checkpoint"),  # jax.distributed and Orbax, placing by the core's layouts
     ("pipeline",),  # the parallelisms
-    ("strategies", "models"),
-    ("nn",),
+    ("strategies",),
+    ("nn",),  # layers (nn.tensor_parallel runs them under px.TensorParallel's rules)
+    ("models",),  # networks of nn's layers
     ("planner",),  # predicting and choosing among the strategies
     ("metrics",),  # watching a run: throughput, MFU, memory, logs, profiles
     ("ps", "rpc"),  # the originals' APIs

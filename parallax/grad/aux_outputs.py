@@ -36,9 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallax.step.batch import is_array
 from parallax.grad.sliced_rng import is_key, is_sliced, unsliced_key
-from parallax.rules import readable_path
+from parallax.rules import is_array, readable_path
 from parallax.comm.varying import to_varying, varying_axes
 
 

@@ -8,7 +8,7 @@ otherwise the slice's loss is accumulated over micro-batches
 (:func:`parallax.grad.microbatches.accumulate`). Either way the result carries the module's
 non-parameter state (:class:`parallax.grad.slice_loss.LocalResult`). A producer that rebuilds the
 module itself carries that state by reading it from the request's slice loss and returning
-it in a ``LocalResult`` (as ``px.Pipeline`` does, :mod:`parallax.pipeline.module_state`);
+it in a ``LocalResult`` (as ``px.Pipeline`` does, :mod:`parallax.pipeline.runtime.module_state`);
 ``GradRequest.rebuild`` carries none, and refuses a model that has any.
 """
 

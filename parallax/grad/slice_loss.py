@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from parallax.step import finite_check
+from parallax import finite_check
 from parallax.grad import module_state, sliced_rng
 from parallax.grad.aux_outputs import partition_static
 from parallax.grad.module_state import StateOptions, Target

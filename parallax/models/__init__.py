@@ -2,7 +2,10 @@
 
 All build and run on one device with no mesh; a strategy reads their logical names
 (``"embed"``, ``"mlp"``, ``"heads"``, ``"kv"``, ``"vocab"``, ``"layers"``, ...) and shards them.
-See ``docs/models.md``.
+``ParallelGPT`` is the GPT built from Megatron's explicit layers. The models are networks
+of the layers in ``parallax.nn`` (below this package); the layer names this package has
+always exported (``MoE``, ``MoEConfig``, ``moe_aux_loss``, ``RopeScaling``) are
+re-exported from there. See ``docs/models.md``.
 """
 
 from parallax.models.gpt import GPT as GPT
@@ -17,11 +20,14 @@ from parallax.models.llama import llama_stages as llama_stages
 from parallax.models.llama_config import LlamaConfig as LlamaConfig
 from parallax.models.llama_config import llama_flops_per_token as llama_flops_per_token
 from parallax.models.llama_config import llama_param_count as llama_param_count
-from parallax.models.rope import RopeScaling as RopeScaling
+from parallax.nn.rope import RopeScaling as RopeScaling
 from parallax.models.mlp import MLP as MLP
-from parallax.models.moe import MoE as MoE
-from parallax.models.moe import aux_loss as moe_aux_loss
-from parallax.models.moe_config import MoEConfig as MoEConfig
+from parallax.models.parallel_gpt import ParallelBlock as ParallelBlock
+from parallax.models.parallel_gpt import ParallelGPT as ParallelGPT
+from parallax.models.parallel_gpt import parallel_next_token_loss as parallel_next_token_loss
+from parallax.nn.moe import MoE as MoE
+from parallax.nn.moe import aux_loss as moe_aux_loss
+from parallax.nn.moe_config import MoEConfig as MoEConfig
 from parallax.models.gpt import moe_next_token_loss as moe_next_token_loss
 from parallax.models.mlp import mse_loss as mse_loss
 from parallax.models.pretrained import from_pretrained as from_pretrained
@@ -35,6 +41,8 @@ __all__ = [
     "MLP",
     "MoE",
     "MoEConfig",
+    "ParallelBlock",
+    "ParallelGPT",
     "block_forward",
     "flops_per_token",
     "from_pretrained",
@@ -47,6 +55,7 @@ __all__ = [
     "next_token_loss",
     "next_token_stages",
     "param_count",
+    "parallel_next_token_loss",
     "save_pretrained",
     "RopeScaling",
 ]

@@ -12,8 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from parallax.models.moe_config import MoEConfig
-from parallax.models.padding import padded_size
+from parallax.nn.moe_config import MoEConfig
+from parallax.nn.padding import padded_size
 
 _SIZES = ("vocab_size", "max_seq_len", "num_layers", "num_heads", "embed_dim", "mlp_dim")
 

@@ -19,8 +19,7 @@ from flax import nnx
 
 from parallax.activations import constrain
 from parallax.comm.varying import to_varying, varying_axes
-
-RESIDUAL = ("batch", "sequence", "embed")
+from parallax.nn.layers import RESIDUAL
 
 
 def moe_block_forward(block, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -40,7 +40,7 @@ from parallax.models.gpt_moe import (
     split_stats_row,
     with_stats_row,
 )
-from parallax.models.moe import MoE, aux_loss
+from parallax.nn.moe import MoE, aux_loss
 from parallax.pipeline.stages import Stages
 
 

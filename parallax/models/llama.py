@@ -29,18 +29,15 @@ from flax import nnx
 
 from parallax.activations import constrain
 from parallax.attention import in_sequence_order, natural_order, sequence_positions
-from parallax.models.gpt import check_sequence, check_token_ids
 from parallax.models.gpt_pipeline import head_loss
-from parallax.models.layers import annotated_param, gather_sequence
+from parallax.nn.layers import RESIDUAL, WHOLE_SEQUENCE, annotated_param, gather_sequence
 from parallax.models.llama_config import LlamaConfig
-from parallax.models.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
-from parallax.models.padding import mask_padded_logits, padded_init
-from parallax.models.rope import rope_frequencies
+from parallax.models.token_checks import check_sequence, check_token_ids
+from parallax.nn.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
+from parallax.nn.padding import mask_padded_logits, padded_init
+from parallax.nn.rope import rope_frequencies
 from parallax.pipeline.stages import Stages
-from parallax.step import finite_check
-
-RESIDUAL = ("batch", "sequence", "embed")
-WHOLE_SEQUENCE = ("batch", None, "embed")
+from parallax import finite_check
 
 # Megatron's styles of the Llama's weights (torchtitan's plan for its Llama, by our paths).
 TENSOR_PLAN = {

@@ -13,8 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from parallax.models.padding import padded_size
-from parallax.models.rope import RopeScaling
+from parallax.nn.padding import padded_size
+from parallax.nn.rope import RopeScaling
 
 _SIZES = ("vocab_size", "max_seq_len", "num_layers", "num_heads", "num_kv_heads",
           "embed_dim", "mlp_dim")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax.models.layers import Dense
+from parallax.nn.layers import Dense
 from parallax.activations import constrain
 
 

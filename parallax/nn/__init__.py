@@ -1,38 +1,49 @@
-"""parallax.nn: Megatron tensor and sequence parallelism as Flax NNX layers (explicit style).
+"""parallax.nn: the layers the models are built from, below the models (Flax NNX).
 
 Every layer keeps its parameters at their global shapes with logical names, so it is the
-plain layer on one device, a GSPMD layer under ``px.TensorParallel``'s rules, and, inside a
-``shard_map`` manual over the tensor axis (``tensor_parallel``), the Megatron layer on its
-local shard, communicating through the named operators of :mod:`parallax.nn.regions`:
+plain layer on one device and a GSPMD layer under a strategy's rules. Two kinds live here:
 
-* operators: :func:`copy_to_tensor` (``f``), :func:`reduce_from_tensor` (``g``),
-  :func:`scatter_to_tensor`, :func:`gather_from_tensor`, and for sequence parallelism
-  :func:`scatter_to_sequence`, :func:`gather_from_sequence`,
-  :func:`reduce_scatter_to_sequence`;
-* layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, :class:`ParallelMLP`,
-  :class:`ParallelSelfAttention` (grouped-query too), :class:`VocabParallelEmbedding`;
-* :func:`vocab_parallel_cross_entropy`: the loss from vocabulary slices;
-* random streams: :func:`dropout` (the single-device mask on every layout), :func:`rank_key`;
-* :class:`MoE`: the mixture-of-experts layer (defined in ``parallax.models.moe``, where the
-  GPT can use it; ``px.ExpertParallel`` splits its experts, see ``docs/moe.md``);
-* :class:`ParallelGPT`: ``px.models.GPT`` built from these layers;
-* :func:`tensor_parallel`, :func:`param_specs`: running them in ``shard_map``, also inside
-  ``px.train_step``.
+* annotated building blocks, the pieces of ``px.models``' networks:
+  :mod:`~parallax.nn.layers` (``Dense``, ``LayerNorm``, causal attention, the feed-forward
+  MLP, ``annotated_param``), :mod:`~parallax.nn.llama_layers` (``RMSNorm``, grouped-query
+  attention, ``SwiGLU``), :mod:`~parallax.nn.rope`, :mod:`~parallax.nn.padding` (padded
+  vocabularies) and :class:`MoE` with its :class:`MoEConfig` (``px.ExpertParallel`` splits
+  its experts, see ``docs/moe.md``);
+* Megatron's layers in the explicit style: inside a ``shard_map`` manual over the tensor
+  axis (``tensor_parallel``) each is the Megatron layer on its local shard, communicating
+  through the named operators of :mod:`parallax.nn.regions`:
+
+  * operators: :func:`copy_to_tensor` (``f``), :func:`reduce_from_tensor` (``g``),
+    :func:`scatter_to_tensor`, :func:`gather_from_tensor`, and for sequence parallelism
+    :func:`scatter_to_sequence`, :func:`gather_from_sequence`,
+    :func:`reduce_scatter_to_sequence`;
+  * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, :class:`ParallelMLP`,
+    :class:`ParallelSelfAttention` (grouped-query too), :class:`VocabParallelEmbedding`;
+  * :func:`vocab_parallel_cross_entropy`: the loss from vocabulary slices;
+  * random streams: :func:`dropout` (the single-device mask on every layout), :func:`rank_key`;
+  * :func:`tensor_parallel`, :func:`param_specs`: running them in ``shard_map``, also inside
+    ``px.train_step``.
+
+A network built from these layers is a model and lives in ``parallax.models``; nothing here
+imports it. ``ParallelGPT``, ``ParallelBlock`` and ``parallel_next_token_loss``
+(``px.models.GPT`` built from Megatron's layers, ``parallax.models.parallel_gpt``) are still
+answered here, as they always were (``px.nn.ParallelGPT``): their module is imported on
+first use of one of those names, so this package's imports keep pointing down.
 
 See ``docs/tensor_parallel.md``.
 """
+
+import importlib
 
 from parallax.nn.attention import ParallelSelfAttention as ParallelSelfAttention
 from parallax.nn.embedding import VocabParallelEmbedding as VocabParallelEmbedding
 from parallax.nn.embedding import vocab_parallel_embed as vocab_parallel_embed
 from parallax.nn.embedding import vocab_parallel_logits as vocab_parallel_logits
-from parallax.nn.gpt import ParallelBlock as ParallelBlock
-from parallax.nn.gpt import ParallelGPT as ParallelGPT
-from parallax.nn.gpt import parallel_next_token_loss as parallel_next_token_loss
 from parallax.nn.linear import ColumnParallelLinear as ColumnParallelLinear
 from parallax.nn.linear import ParallelMLP as ParallelMLP
 from parallax.nn.linear import RowParallelLinear as RowParallelLinear
-from parallax.models.moe import MoE as MoE
+from parallax.nn.moe import MoE as MoE
+from parallax.nn.moe_config import MoEConfig as MoEConfig
 from parallax.nn.loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from parallax.nn.regions import copy_to_tensor as copy_to_tensor
 from parallax.nn.regions import gather_from_sequence as gather_from_sequence
@@ -50,6 +61,7 @@ from parallax.nn.shard import tensor_parallel as tensor_parallel
 __all__ = [
     "ColumnParallelLinear",
     "MoE",
+    "MoEConfig",
     "ParallelBlock",
     "ParallelGPT",
     "ParallelMLP",
@@ -73,3 +85,18 @@ __all__ = [
     "vocab_parallel_embed",
     "vocab_parallel_logits",
 ]
+
+# Networks built from these layers, defined in parallax.models (above this package) and
+# still answered here by name: imported on first use, so no module of parallax.nn imports
+# parallax.models (tests/test_imports.py's LAYERS).
+_NETWORKS = {
+    "ParallelBlock": "parallax.models.parallel_gpt",
+    "ParallelGPT": "parallax.models.parallel_gpt",
+    "parallel_next_token_loss": "parallax.models.parallel_gpt",
+}
+
+
+def __getattr__(name: str):
+    if name in _NETWORKS:
+        return getattr(importlib.import_module(_NETWORKS[name]), name)
+    raise AttributeError(f"module 'parallax.nn' has no attribute {name!r}")

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax.models.layers import annotated_param
-from parallax.models.padding import mask_padded_logits, padded_init, padded_size
+from parallax.nn.layers import annotated_param
+from parallax.nn.padding import mask_padded_logits, padded_init, padded_size
 from parallax.nn import regions
 
 Initializer = nnx.initializers.Initializer

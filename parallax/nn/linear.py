@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax.models.layers import annotated_param
+from parallax.nn.layers import annotated_param
 from parallax.nn import regions
 from parallax.activations import constrain
 

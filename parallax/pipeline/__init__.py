@@ -44,7 +44,7 @@ from parallax.pipeline.schedules import Action as Action
 from parallax.pipeline.schedules import Placement as Placement
 from parallax.pipeline.schedules import Schedule as Schedule
 from parallax.pipeline.schedules import schedule as schedule
-from parallax.pipeline.settings import WEIGHTS as WEIGHTS
+from parallax.pipeline.runtime.settings import WEIGHTS as WEIGHTS
 from parallax.pipeline.stages import Stages as Stages
 from parallax.pipeline.update import update as update
 from parallax.pipeline.versions import double_buffered as double_buffered

@@ -2,7 +2,7 @@
 
 ``Strategy.grad_fn`` is called as ``grad_fn(request, params, batch)`` by
 ``px.value_and_grad``. :class:`PipelineProducer` is that callable, a frozen dataclass around
-the pipeline's checked settings (:class:`parallax.pipeline.settings.PipelineSettings`),
+the pipeline's checked settings (:class:`parallax.pipeline.runtime.settings.PipelineSettings`),
 which it passes on to the runtime and which ``px.pipeline.update`` reads back from the
 strategy in context (equal settings compare equal, so equal strategies still compose).
 
@@ -11,7 +11,7 @@ request's slice loss (``GradRequest.value_and_grad``: the split module, its stat
 slice's position, the ``batch_stats`` / ``rng`` options), carried through the schedule by
 the runtime, and returned in a :class:`parallax.grad.slice_loss.LocalResult`, which
 ``px.value_and_grad`` reduces over the batch shards and writes back as without a pipeline
-(:mod:`parallax.pipeline.module_state` says what is supported).
+(:mod:`parallax.pipeline.runtime.module_state` says what is supported).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import dataclasses
 
 from parallax import context
 from parallax.grad.slice_loss import LocalResult
-from parallax.pipeline import module_state
+from parallax.pipeline.runtime import module_state
 from parallax.pipeline.runtime.gradients import pipeline_grads
-from parallax.pipeline.settings import PipelineSettings
+from parallax.pipeline.runtime.settings import PipelineSettings
 from parallax.pipeline.stages import Stages
 
 API = "px.Pipeline"

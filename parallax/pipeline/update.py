@@ -26,10 +26,10 @@ from flax import nnx
 from parallax import context
 from parallax.grad.gradients import value_and_grad
 from parallax.grad.module_state import StateOptions, Target
-from parallax.pipeline import module_state
+from parallax.pipeline.runtime import module_state
 from parallax.pipeline.producer import FROM_UPDATE, PipelineProducer
 from parallax.pipeline.runtime.gradients import pipeline_update
-from parallax.pipeline.settings import PipelineSettings
+from parallax.pipeline.runtime.settings import PipelineSettings
 from parallax.pipeline.stages import Stages
 from parallax.pipeline.versions import DoubleBufferedState
 

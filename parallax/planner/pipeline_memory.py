@@ -38,7 +38,8 @@ from flax import nnx
 
 from parallax.pipeline.runtime.chunk import template
 from parallax.pipeline.runtime.lowering import lower_schedule
-from parallax.pipeline.stages import Stages, program
+from parallax.pipeline.runtime.program import program
+from parallax.pipeline.stages import Stages
 from parallax.planner.predicted_memory import Estimate, local_param_bytes
 from parallax.planner.setting import StepSetting
 

@@ -1,7 +1,7 @@
 """Around the user's step: ``px.init`` and ``px.shard`` (state placed on the mesh),
 ``@px.train_step`` (one jitted SPMD program), the batch (its spec, checks, assembly from
-several processes), ``check_finite``'s records, and the boundary checks that put a clear
-message in front of JAX's."""
+several processes), and the boundary checks that put a clear message in front of JAX's.
+``check_finite``'s records are :mod:`parallax.finite_check`'s (models record into them too)."""
 
 from parallax.step.placement import checked_strategy as checked_strategy
 from parallax.step.placement import init as init

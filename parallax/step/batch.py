@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallax.mesh import axes_text, axis_size, describe
+from parallax.rules import is_array
 from parallax.strategy import Strategy
 
 MAX_DIMS = 8  # dimensions compared per leaf when shapes differ between processes
@@ -45,11 +46,6 @@ def batch_shardings(batch, strategy: Strategy, mesh):
     """A ``NamedSharding`` per leaf of ``batch``."""
     sharding = batch_sharding(strategy, mesh)
     return jax.tree.map(lambda _: sharding, batch)
-
-
-def is_array(x) -> bool:
-    """Arrays (``jax.Array``, tracers, numpy) as opposed to static Python values."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def check_batch_tree(batch, api: str) -> None:

@@ -15,7 +15,7 @@ import inspect
 import jax
 from jax.sharding import NamedSharding
 
-from parallax.step.batch import is_array
+from parallax.rules import is_array
 from parallax.mesh import describe
 
 

@@ -11,7 +11,8 @@ from jax.sharding import Mesh
 
 from parallax.step import batch as batch_lib
 from parallax import context, layout, loss_scale
-from parallax.step import finite_check, boundary_checks
+from parallax import finite_check
+from parallax.step import boundary_checks
 from parallax.mesh import describe
 from parallax.step.placement import checked_strategy
 from parallax.state import TrainState
@@ -212,7 +213,7 @@ def train_step(mesh: Mesh, strategy: Strategy | None = None, *, donate: bool = T
         must not be used after the call: passing it again is an error).
       check_finite: after each call, raise naming the first non-finite value among the
         batch, the model's checks (the reference GPT's token ids), the loss and the
-        gradients of ``px.value_and_grad`` (see :mod:`parallax.step.finite_check`). Off by default:
+        gradients of ``px.value_and_grad`` (see :mod:`parallax.finite_check`). Off by default:
         it waits for every step to finish.
 
     Returns:

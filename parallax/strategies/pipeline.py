@@ -6,7 +6,7 @@ from __future__ import annotations
 from parallax.pipeline.producer import PipelineProducer
 from parallax.pipeline.runtime.checks import check_positive_int
 from parallax.pipeline.schedules.table import Schedule
-from parallax.pipeline.settings import PipelineSettings
+from parallax.pipeline.runtime.settings import PipelineSettings
 from parallax.rules import LAYERS
 from parallax.strategy import Strategy
 
@@ -38,7 +38,7 @@ def Pipeline(axis: str = "stage", *, microbatches: int, schedule: str | Schedule
     over the micro-batches in order; the default ``"global"`` is refused with that fix); a
     Dropout-only model keeps the default options (one device's masks over the whole batch).
     ``weights="stashed"`` / ``"2bw"`` refuse a model with state
-    (:mod:`parallax.pipeline.module_state`).
+    (:mod:`parallax.pipeline.runtime.module_state`).
 
     Args:
       axis: the mesh axis of the pipeline stages.

@@ -10,7 +10,7 @@ loss is scaled by the optimizer's :func:`parallax.loss_scale.dynamic_loss_scale`
 
 Under ``px.Pipeline`` the policy is applied to each stage's piece of the loss (compute
 dtype, activations sent in it, the stage-axis gradient sum in ``reduce``; see
-:func:`parallax.pipeline.stages.program`); ``weights="stashed"`` refuses it.
+:func:`parallax.pipeline.runtime.program.program`); ``weights="stashed"`` refuses it.
 
 What it does not do: the GSPMD style (``style="gspmd"``) leaves the gradient sum to XLA's
 partitioner, which all-reduces each weight-gradient matmul's partial result in that

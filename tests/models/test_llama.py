@@ -21,8 +21,8 @@ from parallax.models import (
     next_token_loss,
 )
 from parallax.models.llama import TENSOR_PLAN, token_positions
-from parallax.models.llama_layers import GroupedQueryAttention
-from parallax.models.rope import apply_rotary, rope_frequencies
+from parallax.nn.llama_layers import GroupedQueryAttention
+from parallax.nn.rope import apply_rotary, rope_frequencies
 from parallax.rules import annotated_leaves
 
 TINY = LlamaConfig.tiny()

@@ -13,8 +13,8 @@ from flax import nnx
 
 import parallax as px
 import parallax.nn as pnn
-from parallax.models.layers import CausalSelfAttention, FeedForward
-from parallax.models.padding import MASKED
+from parallax.nn.layers import CausalSelfAttention, FeedForward
+from parallax.nn.padding import MASKED
 
 from .nn_testing import P, compare, inputs, ints, tensor_mesh
 

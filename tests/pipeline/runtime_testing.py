@@ -17,8 +17,8 @@ from parallax.analysis import hlo
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.gradients import pipeline_grads
 from parallax.pipeline.runtime.lowering import lower_schedule, widen
-from parallax.pipeline.settings import PipelineSettings
-from parallax.pipeline.stages import program
+from parallax.pipeline.runtime.settings import PipelineSettings
+from parallax.pipeline.runtime.program import program
 
 D_IN, D, D_OUT, BATCH = 4, 8, 3, 32
 

@@ -30,7 +30,7 @@ import numpy as np
 from parallax.models.llama import Llama
 from parallax.models.llama_config import LlamaConfig
 from parallax.models.pretrained.pieces import Piece
-from parallax.models.rope import RopeScaling
+from parallax.nn.rope import RopeScaling
 
 API = "px.models.from_pretrained"
 MODEL = Llama

@@ -6,6 +6,6 @@ carries), ``guarded`` (conditionals that update them in place), ``actions`` (eac
 function of one environment value, run under its guard), ``ticks`` (the scan),
 ``layer_moves`` (moving stacked layers to the stages that run them), ``checks`` (the checks
 at the boundary), ``gradients`` (``px.pipeline.value_and_grad``, which runs the checked
-:class:`parallax.pipeline.settings.PipelineSettings`) and ``gpipe`` (GPipe by autodiff,
+:class:`parallax.pipeline.runtime.settings.PipelineSettings`) and ``gpipe`` (GPipe by autodiff,
 the simple pipeline to compare with).
 """

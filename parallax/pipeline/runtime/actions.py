@@ -40,7 +40,7 @@ from parallax.pipeline.runtime.guarded import guard_when, when
 from parallax.pipeline.runtime.lowering import LoweredSchedule
 from parallax.pipeline.runtime.optimizer import PartOptimizer
 from parallax.pipeline.runtime.rings import accumulate, read, wide, write
-from parallax.pipeline.stages import Program
+from parallax.pipeline.runtime.program import Program
 
 
 class Env(NamedTuple):

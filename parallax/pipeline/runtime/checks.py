@@ -1,6 +1,6 @@
 """The pipeline's checks at the API boundary: counts, remat, schedule, balance, layers.
 
-Shared by :meth:`parallax.pipeline.settings.PipelineSettings.of` (which
+Shared by :meth:`parallax.pipeline.runtime.settings.PipelineSettings.of` (which
 ``px.pipeline.value_and_grad`` and the ``px.Pipeline`` strategy call) and
 ``px.pipeline.gpipe_value_and_grad``, so every entry point raises the same messages (each
 names the API, the values and the fix).

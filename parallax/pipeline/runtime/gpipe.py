@@ -25,11 +25,12 @@ from parallax import context
 from parallax.comm import nesting
 from parallax.grad.gradients import split_target
 from parallax.grad.microbatches import check_microbatches
-from parallax.pipeline import module_state
+from parallax.pipeline.runtime import module_state
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.checks import check_positive_int, check_remat
 from parallax.pipeline.runtime.layer_moves import check_layers
-from parallax.pipeline.stages import Stages, program
+from parallax.pipeline.runtime.program import program
+from parallax.pipeline.stages import Stages
 from parallax.comm.varying import varying_axes
 
 API = "px.pipeline.gpipe_value_and_grad"

@@ -2,7 +2,7 @@
 
 The entry point for any model given as ``(first, stage, last)`` functions over stacked
 layers, and what the ``px.Pipeline`` strategy calls inside ``px.train_step``. The options
-are checked once, into a :class:`parallax.pipeline.settings.PipelineSettings`, where the
+are checked once, into a :class:`parallax.pipeline.runtime.settings.PipelineSettings`, where the
 function is built (or the strategy is); what depends on the call is checked where it is
 known (:mod:`parallax.pipeline.runtime.checks`: the mesh axis, the schedule on it, the layer
 count or balance, the batch's split into micro-batches), and the settings go on to the table
@@ -17,15 +17,16 @@ from parallax import context
 from parallax.grad.gradients import split_target
 from parallax.grad.microbatches import check_microbatches
 from parallax.grad.module_state import StateOptions, Target
-from parallax.pipeline import module_state
+from parallax.pipeline.runtime import module_state
 from parallax.pipeline.runtime import ticks
 from parallax.pipeline.runtime.optimizer import part_optimizer, replace_leaves
 from parallax.pipeline.runtime.stage_state import StateRun
 from parallax.pipeline.runtime.stashed import Versions
 from parallax.pipeline.runtime.checks import POLICIES, REMAT
 from parallax.pipeline.schedules.table import Schedule
-from parallax.pipeline.settings import PipelineSettings
-from parallax.pipeline.stages import Stages, program
+from parallax.pipeline.runtime.settings import PipelineSettings
+from parallax.pipeline.runtime.program import program
+from parallax.pipeline.stages import Stages
 from parallax.grad.sliced_rng import WHOLE
 
 __all__ = ["POLICIES", "REMAT", "pipeline_grads", "pipeline_update", "value_and_grad"]
@@ -38,12 +39,12 @@ def pipeline_grads(stages: Stages, params, rebuild: Callable, batch,
     """``(loss, grads)`` of ``stages`` on ``batch``, pipelined as ``settings`` say.
 
     With ``state`` (the module's non-parameter state; ``rebuild(params, state)`` then
-    builds the module) and ``run`` (how it flows, :mod:`parallax.pipeline.module_state`),
+    builds the module) and ``run`` (how it flows, :mod:`parallax.pipeline.runtime.module_state`),
     ``(loss, grads, state_after)``. With ``trace``, also the action codes each stage
     ran at each tick, ``[ticks, stages]`` (0 idle, 1 F, 2 B, 3 W): a record of what
     executed, to compare with ``Schedule.as_arrays().kind``. ``api`` is named in errors.
     ``precision`` (a ``parallax.precision.Policy``) and ``scale`` (the loss scale): the
-    stages compute in the policy's dtype (:func:`parallax.pipeline.stages.program`).
+    stages compute in the policy's dtype (:func:`parallax.pipeline.runtime.program.program`).
     """
     prog, sched, layout = _prepare(stages, params, rebuild, batch, settings, api, state,
                                    precision=precision, scale=scale)
@@ -116,7 +117,7 @@ def value_and_grad(stages: Stages, schedule: str | Schedule = "1f1b", *,
       batch_stats, rng: as for ``px.value_and_grad``, for an NNX module with
         non-parameter state (BatchNorm statistics, RNG streams, in the stacked layers or in
         ``first`` / ``last``): a BatchNorm in training mode needs
-        ``batch_stats="per_microbatch"`` (:mod:`parallax.pipeline.module_state`). The state
+        ``batch_stats="per_microbatch"`` (:mod:`parallax.pipeline.runtime.module_state`). The state
         after the step is written back into the module, as ``nnx.value_and_grad`` does
         (call ``fn`` eagerly or under ``nnx.jit``).
 

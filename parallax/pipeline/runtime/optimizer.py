@@ -25,7 +25,7 @@ class PartOptimizer(NamedTuple):
     Attributes:
       tx: the transformation.
       tree: ``tree(stacked, others)``: a parameter-shaped tree from leaf lists (``None``
-        where a list is not given), as ``parallax.pipeline.stages.Program.grads`` builds it.
+        where a list is not given), as :attr:`.program.Program.grads` builds it.
       part: ``"stacked"`` or ``"others"``.
       treedef: the structure of ``tx``'s state for the part.
       paths: the key path, in the full state, of each of the part state's leaves.

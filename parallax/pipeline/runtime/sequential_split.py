@@ -20,10 +20,11 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from parallax.pipeline import module_state
+from parallax.pipeline.runtime import module_state
 from parallax.pipeline.runtime.checks import check_remat
 from parallax.pipeline.runtime.chunk import Chunk, template
-from parallax.pipeline.stages import Stages, program
+from parallax.pipeline.runtime.program import program
+from parallax.pipeline.stages import Stages
 
 API = "px.pipeline.split_value_and_grad"
 

@@ -58,8 +58,8 @@ from parallax.pipeline.runtime.chunk import Chunk, template
 from parallax.pipeline.runtime.guarded import guard
 from parallax.pipeline.runtime.lowering import RUNTIME_CODES, LoweredSchedule, lower_schedule
 from parallax.pipeline.schedules.table import Schedule
-from parallax.pipeline.settings import PipelineSettings
-from parallax.pipeline.stages import Program
+from parallax.pipeline.runtime.settings import PipelineSettings
+from parallax.pipeline.runtime.program import Program
 from parallax.comm.varying import to_varying, varying_axes
 
 

@@ -10,7 +10,7 @@ import pytest
 from parallax import pipeline as pp
 from parallax.pipeline.runtime.gradients import pipeline_grads
 from parallax.pipeline.runtime.lowering import lower_schedule, widen
-from parallax.pipeline.settings import PipelineSettings
+from parallax.pipeline.runtime.settings import PipelineSettings
 from parallax.testing import relative_difference
 
 from ..runtime_testing import (D, TOY, compiled, family, guard_dots, pipelined, reference,

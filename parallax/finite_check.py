@@ -14,6 +14,9 @@ scope, and ``px.value_and_grad`` opens one inside the traced loss so that a mode
 ``require`` lands where its value can be returned (through the gradient's auxiliary
 outputs, reduced over shards and micro-batches) rather than leaking out of a ``shard_map``.
 
+A model calls it, so it sits with the other nouns a model uses (``activations``,
+``attention``), below ``step/``, ``grad/`` and ``models/``, which all record into it.
+
 Example:
   >>> import jax.numpy as jnp
   >>> with scope() as records:

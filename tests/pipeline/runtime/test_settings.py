@@ -7,11 +7,11 @@ import pytest
 
 from parallax import pipeline as pp
 from parallax.pipeline.runtime.gradients import pipeline_grads
-from parallax.pipeline.settings import PipelineSettings
+from parallax.pipeline.runtime.settings import PipelineSettings
 from parallax.strategies.pipeline import Pipeline
 from parallax.testing import relative_difference
 
-from .runtime_testing import TOY, reference, stage_mesh, toy_batch, toy_params
+from ..runtime_testing import TOY, reference, stage_mesh, toy_batch, toy_params
 
 
 def test_the_options_are_resolved_once():

@@ -1,5 +1,6 @@
 """The MoE layer on one device: routing and capacity against a loop, dropless against the
-padded capacity path, the auxiliary losses, the MoE GPT, and the refusals."""
+padded capacity path, the auxiliary losses, and the refusals (the MoE GPT:
+tests/models/test_gpt_moe.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,8 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from parallax.models import MoEConfig
-from parallax.models.moe import MoE
-from parallax.models.moe_routing import dispatch_tensors, route, slots
+from parallax.nn import MoE, MoEConfig
+from parallax.nn.moe_routing import dispatch_tensors, route, slots
 
 
 def test_slots_follow_gshard_priority_and_capacity():
@@ -57,24 +57,13 @@ def test_dropless_grouped_matmuls_equal_padded_slots(score):
 
 def test_auxiliary_losses():
     uniform = route(jnp.zeros((1, 8, 4)), 1, "softmax")
-    from parallax.models.moe_routing import router_stats
+    from parallax.nn.moe_routing import router_stats
     stats = router_stats(jnp.zeros((1, 8, 4)), uniform, jnp.ones((1, 8, 1), bool), 4,
                          lambda v: v)
     # all tokens on expert 0 (ties), P uniform: E * (1 * 1/4) = 1; z = log(4)^2
     assert float(stats["load_balance_loss"]) == pytest.approx(1.0)
     assert float(stats["router_z_loss"]) == pytest.approx(np.log(4.0) ** 2, rel=1e-6)
     assert float(stats["dropped_fraction"]) == 0.0
-
-
-def test_moe_gpt_counts_and_dense_default_unchanged():
-    assert px.models.GPTConfig.tiny().moe is None
-    assert px.models.param_count(px.models.GPTConfig.tiny()) == 120448  # as on main
-    cfg = px.models.GPTConfig.tiny(moe=MoEConfig(num_experts=4, shared_mlp_dim=32))
-    model = px.models.GPT(cfg, rngs=nnx.Rngs(0))
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    assert px.models.param_count(cfg) == sum(x.size for x in leaves)
-    assert model.blocks.mlp.w_gate.get_metadata()["out_sharding"] == ("layers", "expert",
-                                                                       "embed", "mlp")
 
 
 def test_bad_configs_are_refused():
@@ -88,22 +77,7 @@ def test_bad_configs_are_refused():
         MoEConfig(capacity_factor=0)
     with pytest.raises(TypeError, match=r"MoEConfig: num_experts must be an int"):
         MoEConfig(num_experts=4.0)
-    with pytest.raises(TypeError, match=r"GPTConfig: moe must be a MoEConfig or None"):
-        px.models.GPTConfig.tiny(moe={"num_experts": 4})
 
 
-def test_pipeline_stages_are_the_moe_loss():
-    """Without a pipeline the stages (router losses carried in a row of the stream) are
-    moe_next_token_loss; a width too small to carry the two losses is refused."""
-    from parallax.models.gpt_pipeline import next_token_stages
-    model = px.models.GPT(px.models.GPTConfig.tiny(moe=MoEConfig()), rngs=nnx.Rngs(0))
-    batch = {"tokens": jnp.arange(18, dtype=jnp.int32).reshape(2, 9)}
-    both = nnx.jit(lambda m, b: (px.models.moe_next_token_loss(m, b)[0],
-                                 next_token_stages(m, b)))  # one compile
-    loss, staged = both(model, batch)
-    assert px.testing.relative_difference(staged, loss) <= 1e-6
-    from parallax.models.gpt_moe import with_stats_row
-    with pytest.raises(ValueError, match=r"next_token_stages: an MoE GPT under a pipeline "
-                       r"carries its 2 auxiliary losses in the embedding dimension, which has "
-                       r"1 entries; use embed_dim >= 2"):
-        with_stats_row(jnp.ones((2, 8, 1)))
+def test_one_layer_under_its_public_names():
+    assert px.nn.MoE is px.models.MoE and px.nn.MoEConfig is px.models.MoEConfig

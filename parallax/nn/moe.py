@@ -38,9 +38,9 @@ from jax import lax
 
 from parallax import context
 from parallax.comm.varying import to_varying
-from parallax.models.layers import annotated_param
-from parallax.models.moe_config import MoEConfig
-from parallax.models.moe_routing import dispatch_tensors, route, router_stats
+from parallax.nn.layers import annotated_param
+from parallax.nn.moe_config import MoEConfig
+from parallax.nn.moe_routing import dispatch_tensors, route, router_stats
 
 Initializer = nnx.initializers.Initializer
 
@@ -78,8 +78,7 @@ class MoE(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from parallax.nn import MoE
-      >>> from parallax.models import MoEConfig
+      >>> from parallax.nn import MoE, MoEConfig
       >>> moe = MoE(8, MoEConfig(num_experts=4, top_k=2, mlp_dim=16), rngs=nnx.Rngs(0))
       >>> y, stats = moe(jnp.ones((2, 6, 8)))
       >>> y.shape, stats["expert_load"].shape

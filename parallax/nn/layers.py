@@ -26,6 +26,8 @@ from parallax.rules import resolve_spec
 Initializer = nnx.initializers.Initializer
 Names = tuple[str | None, ...]
 HEADS = ("batch", "length", "heads", "kv")  # "length": whole under Megatron, split under CP
+RESIDUAL = ("batch", "sequence", "embed")  # the residual stream between blocks
+WHOLE_SEQUENCE = ("batch", None, "embed")  # before a column-parallel matmul
 
 
 def annotated_param(
@@ -52,7 +54,7 @@ def annotated_param(
       ValueError: ``names`` does not have one entry per dimension of ``shape``.
 
     Example:
-      >>> import jax, parallax.models.layers as L
+      >>> import jax, parallax.nn.layers as L
       >>> from flax import nnx
       >>> p = L.annotated_param(nnx.initializers.zeros, jax.random.key(0), (4, 8), ("embed", "mlp"))
       >>> p.get_metadata()["out_sharding"]
@@ -77,7 +79,7 @@ def gather_sequence(x: jax.Array, names: Names) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from parallax.models.layers import gather_sequence
+      >>> from parallax.nn.layers import gather_sequence
       >>> gather_sequence(jnp.ones((2, 4, 8)), ("batch", None, "embed")).shape
       (2, 4, 8)
     """
@@ -113,7 +115,7 @@ class Dense(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from parallax.models.layers import Dense
+      >>> from parallax.nn.layers import Dense
       >>> layer = Dense((8,), (2, 4), ("embed", "heads", "kv"), rngs=nnx.Rngs(0))
       >>> layer(jnp.ones((3, 8))).shape
       (3, 2, 4)
@@ -161,7 +163,7 @@ class LayerNorm(nnx.Module):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from parallax.models.layers import LayerNorm
+      >>> from parallax.nn.layers import LayerNorm
       >>> LayerNorm(8)(jnp.arange(16.0).reshape(2, 8)).shape
       (2, 8)
     """
@@ -211,7 +213,7 @@ class CausalSelfAttention(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from parallax.models.layers import CausalSelfAttention
+      >>> from parallax.nn.layers import CausalSelfAttention
       >>> CausalSelfAttention(8, 2, rngs=nnx.Rngs(0))(jnp.ones((1, 5, 8))).shape
       (1, 5, 8)
     """
@@ -244,7 +246,7 @@ class CausalSelfAttention(nnx.Module):
         dtype = self.query.dtype or x.dtype
         projections = (self.query, self.key, self.value)
         kernel = jnp.stack([jnp.asarray(p.kernel[...], dtype) for p in projections], axis=1)
-        x = gather_sequence(x, ("batch", None, "embed"))
+        x = gather_sequence(x, WHOLE_SEQUENCE)
         qkv = jnp.tensordot(jnp.asarray(x, dtype), kernel, axes=1)  # [B, T, 3, H, K]
         q = constrain(qkv[..., 0, :, :] + jnp.asarray(self.query.bias[...], dtype), HEADS)
         k = constrain(qkv[..., 1, :, :], HEADS)
@@ -268,7 +270,7 @@ class FeedForward(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from parallax.models.layers import FeedForward
+      >>> from parallax.nn.layers import FeedForward
       >>> FeedForward(8, 32, rngs=nnx.Rngs(0))(jnp.ones((1, 5, 8))).shape
       (1, 5, 8)
     """
@@ -289,5 +291,5 @@ class FeedForward(nnx.Module):
         self.proj = Dense((mlp_dim,), (embed_dim,), ("mlp", "embed"), kernel_init=out_init, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = gather_sequence(x, ("batch", None, "embed"))
+        x = gather_sequence(x, WHOLE_SEQUENCE)
         return self.proj(constrain(jax.nn.gelu(self.fc(x)), ("batch", "length", "mlp")))

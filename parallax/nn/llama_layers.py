@@ -1,6 +1,6 @@
 """The Llama's blocks: RMSNorm, grouped-query attention with RoPE, the SwiGLU MLP.
 
-Built from :mod:`parallax.models.layers` (``Dense``, ``annotated_param``), with the same
+Built from :mod:`parallax.nn.layers` (``Dense``, ``annotated_param``), with the same
 logical names as the GPT's layers: query heads ``"heads"`` (split under tensor
 parallelism), key/value heads ``"kv_heads"`` (split when they divide the tensor size,
 replicated otherwise, as ``px.TensorParallel`` treats grouped-query attention), the MLP's
@@ -21,12 +21,12 @@ from flax import nnx
 
 from parallax.activations import constrain
 from parallax.attention import dot_product_attention
-from parallax.models.layers import HEADS, Dense, Names, annotated_param, gather_sequence
-from parallax.models.rope import apply_rotary
+from parallax.nn.layers import (HEADS, WHOLE_SEQUENCE, Dense, Names, annotated_param,
+                                gather_sequence)
+from parallax.nn.rope import apply_rotary
 
 Initializer = nnx.initializers.Initializer
 KV_HEADS = ("batch", "length", "kv_heads", "kv")
-WHOLE_SEQUENCE = ("batch", None, "embed")
 
 
 class RMSNorm(nnx.Module):
@@ -41,7 +41,7 @@ class RMSNorm(nnx.Module):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from parallax.models.llama_layers import RMSNorm
+      >>> from parallax.nn.llama_layers import RMSNorm
       >>> y = RMSNorm(2)(jnp.array([[3.0, 4.0]]))   # rms = sqrt(12.5)
       >>> bool(jnp.allclose(y, jnp.array([[3.0, 4.0]]) / 12.5 ** 0.5, atol=1e-6))
       True
@@ -81,8 +81,8 @@ class GroupedQueryAttention(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from parallax.models.llama_layers import GroupedQueryAttention
-      >>> from parallax.models.rope import rope_frequencies
+      >>> from parallax.nn.llama_layers import GroupedQueryAttention
+      >>> from parallax.nn.rope import rope_frequencies
       >>> attn = GroupedQueryAttention(8, 2, 1, rope_frequencies(4), rngs=nnx.Rngs(0))
       >>> attn(jnp.ones((1, 5, 8)), jnp.arange(5)).shape
       (1, 5, 8)
@@ -125,7 +125,7 @@ class SwiGLU(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from parallax.models.llama_layers import SwiGLU
+      >>> from parallax.nn.llama_layers import SwiGLU
       >>> SwiGLU(8, 16, rngs=nnx.Rngs(0))(jnp.ones((1, 5, 8))).shape
       (1, 5, 8)
     """

@@ -13,10 +13,10 @@ Example:
   >>> import jax, jax.numpy as jnp, parallax as px, parallax.nn
   >>> from flax import nnx
   >>> config = px.models.GPTConfig.tiny(num_layers=1)
-  >>> model = px.nn.ParallelGPT(config, rngs=nnx.Rngs(0))
+  >>> model = px.models.ParallelGPT(config, rngs=nnx.Rngs(0))
   >>> batch = {"tokens": jnp.arange(2 * 17).reshape(2, 17) % 256}
   >>> mesh = px.make_mesh(tensor=4, devices=jax.devices()[:4])
-  >>> loss = px.nn.tensor_parallel(px.nn.parallel_next_token_loss, mesh=mesh)
+  >>> loss = px.nn.tensor_parallel(px.models.parallel_next_token_loss, mesh=mesh)
   >>> bool(5.0 < jax.jit(loss)(model, batch) < 6.0)  # about log(256) at init, as the GPT
   True
 
@@ -35,7 +35,7 @@ from flax import nnx
 
 from parallax.models.gpt import block_forward, create_gpt_params
 from parallax.models.gpt_config import GPTConfig
-from parallax.models.layers import LayerNorm
+from parallax.nn.layers import LayerNorm
 from parallax.nn import regions
 from parallax.nn.attention import ParallelSelfAttention
 from parallax.nn.embedding import vocab_parallel_embed, vocab_parallel_logits

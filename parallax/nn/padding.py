@@ -23,7 +23,7 @@ def padded_init(init: Initializer, rows: int, axis: int = 0) -> Initializer:
     padding), zeros after: a padded vocabulary starts from the unpadded values.
 
     Example:
-      >>> import jax, parallax.models.padding as L
+      >>> import jax, parallax.nn.padding as L
       >>> from flax import nnx
       >>> L.padded_init(nnx.initializers.ones, 3)(jax.random.key(0), (4, 2))[:, 0].tolist()
       [1.0, 1.0, 1.0, 0.0]
@@ -44,7 +44,7 @@ def padded_size(size: int, multiple: int) -> int:
     """``size`` rounded up to a multiple of ``multiple`` (a vocabulary padded for TP).
 
     Example:
-      >>> from parallax.models.padding import padded_size
+      >>> from parallax.nn.padding import padded_size
       >>> padded_size(50257, 128)
       50304
     """
@@ -59,7 +59,7 @@ def mask_padded_logits(logits: jax.Array, vocab_size: int, first_id=0) -> jax.Ar
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from parallax.models.padding import MASKED, mask_padded_logits
+      >>> from parallax.nn.padding import MASKED, mask_padded_logits
       >>> mask_padded_logits(jnp.zeros((1, 4)), 3)[0, 3] == MASKED
       Array(True, dtype=bool)
     """

@@ -42,7 +42,7 @@ class MoEConfig:
         ``capacity_factor <= 0``, an unknown score, a negative size or coefficient.
 
     Example:
-      >>> from parallax.models import MoEConfig
+      >>> from parallax.nn import MoEConfig
       >>> MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0).capacity(16)
       4
     """

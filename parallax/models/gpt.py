@@ -21,7 +21,6 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from parallax.attention import (
@@ -44,6 +43,7 @@ from parallax.nn.layers import (
     annotated_param,
     gather_sequence,
 )
+from parallax.nn.loss import cross_entropy
 from parallax.nn.padding import mask_padded_logits, padded_init
 from parallax.activations import constrain
 
@@ -247,7 +247,7 @@ def next_token_loss(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     if isinstance(config, GPTConfig):  # the targets too: the last column is never embedded
         check_token_ids("next_token_loss", tokens, config.vocab_size)
     logits = jnp.asarray(model(tokens[:, :-1]), jnp.float32)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, whole_labels(tokens[:, 1:]))
+    losses = cross_entropy(logits, whole_labels(tokens[:, 1:]))
     return jnp.mean(losses)
 
 

@@ -7,8 +7,9 @@ plain layer on one device and a GSPMD layer under a strategy's rules. Two kinds 
   :mod:`~parallax.nn.layers` (``Dense``, ``LayerNorm``, causal attention, the feed-forward
   MLP, ``annotated_param``), :mod:`~parallax.nn.llama_layers` (``RMSNorm``, grouped-query
   attention, ``SwiGLU``), :mod:`~parallax.nn.rope`, :mod:`~parallax.nn.padding` (padded
-  vocabularies) and :class:`MoE` with its :class:`MoEConfig` (``px.ExpertParallel`` splits
-  its experts, see ``docs/moe.md``);
+  vocabularies), :class:`MoE` with its :class:`MoEConfig` (``px.ExpertParallel`` splits
+  its experts, see ``docs/moe.md``) and :func:`cross_entropy` (the models' loss, which
+  GSPMD splits over a vocabulary-parallel axis as Megatron does);
 * Megatron's layers in the explicit style: inside a ``shard_map`` manual over the tensor
   axis (``tensor_parallel``) each is the Megatron layer on its local shard, communicating
   through the named operators of :mod:`parallax.nn.regions`:
@@ -44,6 +45,7 @@ from parallax.nn.linear import ParallelMLP as ParallelMLP
 from parallax.nn.linear import RowParallelLinear as RowParallelLinear
 from parallax.nn.moe import MoE as MoE
 from parallax.nn.moe_config import MoEConfig as MoEConfig
+from parallax.nn.loss import cross_entropy as cross_entropy
 from parallax.nn.loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from parallax.nn.regions import copy_to_tensor as copy_to_tensor
 from parallax.nn.regions import gather_from_sequence as gather_from_sequence

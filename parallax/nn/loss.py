@@ -1,4 +1,4 @@
-"""Megatron's vocabulary-parallel cross-entropy: the loss from logit slices, never the full logits.
+"""Softmax cross-entropy from vocabulary-split logits: Megatron's three scalars per position.
 
 Each rank holds the logits of its slice of the vocabulary ``[..., V/T]``. The softmax
 cross-entropy ``log sum_v exp(l_v) - l_target`` needs three numbers per position across
@@ -10,6 +10,11 @@ ranks, each an all-reduce of ``[...]`` scalars, never of ``[..., V]``:
 
 The backward pass is local: the gradient of each slice is its softmax minus the one-hot
 target, which the autodiff of ``g`` (identity backward) gives with no communication.
+
+Two forms: :func:`vocab_parallel_cross_entropy` issues the three all-reduces itself inside
+``shard_map`` (the explicit layers of ``px.nn``); :func:`cross_entropy` is written so that
+GSPMD, given logits whose vocabulary a strategy splits, partitions it into the same three
+(the reference models' loss).
 
 References:
   Shoeybi et al., "Megatron-LM", 2019, section 3 (fusing the output GEMM with the
@@ -75,3 +80,40 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, *,
     picked = jnp.take_along_axis(shifted, jnp.where(inside, offset, 0)[..., None], axis=-1)
     target = regions.reduce_from_tensor(jnp.where(inside, picked[..., 0], 0.0), axis)
     return jnp.log(sum_exp) - target
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Softmax cross-entropy per position, ``logsumexp(logits) - logits[label]``, in float32.
+
+    The values of ``optax.softmax_cross_entropy_with_integer_labels``, written for GSPMD:
+    the target's logit is a masked sum over the vocabulary rather than a gather, so when a
+    strategy splits the vocabulary (tensor parallelism's tied output layer) XLA partitions
+    the loss into Megatron's three ``[...]`` all-reduces (maximum, sum of exponentials,
+    target logit) on every jax version. A gather there was left to the partitioner's
+    choice, which jax 0.12.1 made with two more ``[...]`` all-reduces per step.
+
+    Args:
+      logits: ``[..., V]``.
+      labels: int target ids ``[...]``.
+
+    Returns:
+      float32 losses ``[...]``; NaN where a label is outside ``[0, V)``, as optax's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> logits = jax.random.normal(jax.random.key(0), (3, 16))
+      >>> labels = jnp.array([0, 7, 15])
+      >>> expected = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+      >>> bool(jnp.allclose(cross_entropy(logits, labels), expected, rtol=1e-6))
+      True
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    log_sum_exp = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1)) + peak[..., 0]
+    vocab = logits.shape[-1]
+    hit = jnp.arange(vocab, dtype=labels.dtype) == labels[..., None]
+    target = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    # an id with no logit is NaN, as optax's gather gives it (px.train_step's check_finite
+    # names it), never a silent 0
+    target = jnp.where((labels >= 0) & (labels < vocab), target, jnp.nan)
+    return log_sum_exp - target

@@ -83,6 +83,22 @@ def test_vocab_parallel_cross_entropy():
         assert px.testing.relative_difference(grad, expected_grad, floor=0.0) <= 1e-5
 
 
+def test_cross_entropy_is_optaxs_and_nan_outside_the_vocabulary():
+    """The models' loss (a masked sum, not a gather, so GSPMD splits it as Megatron does)
+    has optax's values and gradients, and NaN for an id with no logit, as optax's."""
+    logits, labels = inputs((2, 8, 256), seed=2) * 3, ints((2, 8), 256, seed=3)
+    expected, expected_grad = jax.value_and_grad(
+        lambda l: optax.softmax_cross_entropy_with_integer_labels(l, labels).sum())(logits)
+    value, grad = jax.jit(jax.value_and_grad(lambda l: pnn.cross_entropy(l, labels).sum()))(
+        logits)
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    assert px.testing.relative_difference(grad, expected_grad, floor=0.0) <= 1e-6
+    outside = labels.at[0, 0].set(256).at[1, 1].set(-1)
+    losses = np.asarray(pnn.cross_entropy(logits, outside))
+    assert np.isnan(losses[0, 0]) and np.isnan(losses[1, 1])
+    assert np.isfinite(np.delete(losses.ravel(), [0, 9])).all()
+
+
 def test_padded_vocabulary_masks_the_extra_logits():
     emb = pnn.VocabParallelEmbedding(250, 16, pad_to_multiple_of=8, rngs=nnx.Rngs(0))
     assert emb.embedding.shape == (256, 16)

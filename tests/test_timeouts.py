@@ -86,7 +86,8 @@ def test_a_hang_fails_alone_with_a_stack_dump_and_the_run_goes_on(tmp_path, work
     assert "crashed" not in out  # the worker lived on: its group's next test ran
     durations = dict((name, float(seconds)) for seconds, name in re.findall(
         r"^([\d.]+)s call +\S*::(\w+)", out, re.M))
-    assert 2 <= durations["test_sleeps"] < 30, durations
+    # the alarm is set just before pytest starts timing the call: 1.99 s was seen
+    assert 1.5 < durations["test_sleeps"] < 30, durations
 
 
 @pytest.mark.slow

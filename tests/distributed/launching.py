@@ -12,7 +12,10 @@ import sys
 import threading
 import time
 
-import process_guard
+try:
+    import process_guard  # under pytest: conftest's directory, tests/, is on the path
+except ImportError:  # a launched program that imports a test module (tests/tf/programs)
+    from tests import process_guard
 
 PROGRAMS = pathlib.Path(__file__).parent / "programs"
 ROOT = pathlib.Path(__file__).parents[2]
@@ -86,7 +89,7 @@ class Started:
         self.proc = process_guard.register(subprocess.Popen(
             self.command, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-            stdin=subprocess.DEVNULL, text=True, cwd=cwd,
+            stdin=subprocess.DEVNULL, text=True, errors="replace", cwd=cwd,
             env=test_env() if env is None else env, start_new_session=True))
         self.out: list[str] = []
         self.err: list[str] = []

@@ -142,6 +142,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if jax.distributed.is_initialized():  # someone called jax.distributed.initialize()
         spec = ClusterSpec(num_processes=jax.process_count(), process_id=jax.process_index(),
                            source="jax.distributed (initialized elsewhere)")
+        if spec.is_multiprocess:
+            compilation_cache.off_on_cpu()  # in time if nothing was compiled yet
         _joined.append(spec)
         return spec
     timeouts = {name: _positive(name, value) for name, value in (

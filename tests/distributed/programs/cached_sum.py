@@ -2,11 +2,13 @@
 processes x 2 CPU devices (a gloo all-reduce), with the persistent compilation cache in the
 directory the test names (``JAX_COMPILATION_CACHE_DIR``).
 
-    parallax launch -np 2 --devices-per-process 2 python cached_sum.py [--jax-only]
+    parallax launch -np 2 --devices-per-process 2 python cached_sum.py [--jax-only | --jax-first]
 
 With ``--jax-only`` it joins the job with ``jax.distributed.initialize`` itself (JAX alone,
-what the cache does there); without it, with ``px.distributed.initialize()``. The program
-takes long enough to compile (a loop of matmuls, unrolled) to be written to the cache.
+what the cache does there); with ``--jax-first`` it does that and then calls
+``px.distributed.initialize()`` too; with neither, only ``px.distributed.initialize()``. The
+program takes long enough to compile (a loop of matmuls, unrolled) to be written to the
+cache.
 """
 
 import os
@@ -15,14 +17,14 @@ import time
 
 import jax
 
-if "--jax-only" in sys.argv:
+if "--jax-only" in sys.argv or "--jax-first" in sys.argv:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", 2)
     jax.distributed.initialize(os.environ["PARALLAX_COORDINATOR"],
                                num_processes=int(os.environ["PARALLAX_NUM_PROCESSES"]),
                                process_id=int(os.environ["PARALLAX_PROCESS_ID"]),
                                heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
-else:
+if "--jax-only" not in sys.argv:
     import parallax as px
 
     px.distributed.initialize()

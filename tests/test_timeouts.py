@@ -51,9 +51,13 @@ HANGS = textwrap.dedent("""
 
 LEAVES = textwrap.dedent("""
     import subprocess, sys
+    from tests.distributed.launching import Started
 
     def test_leaves_a_process_running():
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # LEFT-BEHIND"])
+
+    def test_leaves_a_started_program_running():
+        Started([sys.executable, "-c", "import time; time.sleep(120)  # STARTED"])
 """)
 
 
@@ -91,11 +95,17 @@ def test_a_hang_fails_alone_with_a_stack_dump_and_the_run_goes_on(tmp_path, work
 
 
 @pytest.mark.slow
-def test_a_process_a_test_leaves_is_killed_and_reported(tmp_path):
-    done = run_pytest(tmp_path, LEAVES, "-n", "0", "-p", "process_guard")
+@pytest.mark.parametrize("workers", ["0", "2"])  # with workers, the controller reports
+def test_a_process_a_test_leaves_is_killed_and_reported(tmp_path, workers):
+    done = run_pytest(tmp_path, LEAVES, "-n", workers, "-p", "process_guard")
     out = done.stdout
-    assert done.returncode == 1, out[-4000:]  # the test passed, the session did not
-    assert "1 passed" in out
+    assert done.returncode == 1, out[-4000:]  # the first test passed, the session did not
+    assert re.search(r"2 passed, 1 error in", out), out[-4000:]
+    # what a test started through launching.Started is stopped right after it, naming it
+    assert re.search(r"ERROR at teardown of test_leaves_a_started_program_running", out)
+    assert re.search(r"this test left processes running \(killed now\):\n +pid \d+: \S+ -c "
+                     r"import time; time\.sleep\(120\)  # STARTED", out), out[-4000:]
+    # anything else, at the end of the session
     assert re.search(r"processes left running at the end \(killed\)", out), out[-4000:]
     pid = int(re.search(r"pid (\d+): \S+ -c import time; time.sleep\(120\)  # LEFT-BEHIND",
                         out).group(1))

@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its process has 600 s (launching.Started)
 def test_gpu_benchmark_runs_on_cpu_with_the_tiny_config(tmp_path):
     results = tmp_path / "RESULTS.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable)

@@ -37,6 +37,7 @@ def test_unknown_preset():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its process has 600 s (launching.Started)
 def test_demo_runs_from_the_command_line():
     # The README's command as installed (the console script), on a fresh process that
     # simulates its own devices; python -m parallax.cli where the script is not on PATH.

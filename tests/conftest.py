@@ -12,7 +12,14 @@ compiling). Both are inherited by the subprocesses the tests start (CLI, noteboo
   notebook kernels, the CLI): tests that build the same program anew (a fresh
   ``@px.train_step`` closure, the one-device reference) load it instead of compiling
   (the same test run twice: 24 s -> 11 s). JAX keys entries by the program, the flags and
-  the versions, so an entry can never be stale.
+  the versions, so an entry can never be stale. (Multi-process CPU jobs turn it off in
+  their processes: parallax.distributed.compilation_cache.)
+
+No test can hang the run or leave a process behind: a test still running after the
+``timeout`` of pyproject.toml fails with every thread's stack (pytest-timeout); a test reads
+what it started through tests/distributed/launching.py's ``Started``, with a deadline that
+kills the process and everything it started; and tests/process_guard.py stops what a test
+left running and sweeps the session's leftovers at its end, reporting them.
 """
 
 import os
@@ -33,4 +40,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from process_guard import (  # noqa: E402, F401  (no test leaves a process running)
+    _processes_of_each_test_are_stopped, pytest_sessionfinish, pytest_terminal_summary,
+    pytest_testnodedown)
 from ray_fixtures import ray_cluster  # noqa: E402, F401  (one Ray cluster per test session)

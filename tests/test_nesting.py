@@ -1,7 +1,7 @@
 """parallax.comm.nesting: the nested shard_map XLA 0.12 aborts on, reproduced without parallax
 (in a subprocess: the abort kills the process), and what parallax does about it."""
 
-import subprocess
+import os
 import sys
 import textwrap
 
@@ -11,6 +11,7 @@ import pytest
 
 import parallax as px
 from parallax.comm import nesting
+from tests.distributed.launching import Started
 
 # stage (first in the mesh) manual inside data, tensor left automatic: nothing else
 REPRO = textwrap.dedent("""
@@ -31,8 +32,8 @@ REPRO = textwrap.dedent("""
 
 
 def run_repro(names: str):
-    return subprocess.run([sys.executable, "-c", REPRO, names], capture_output=True,
-                          text=True, timeout=300)
+    return Started([sys.executable, "-c", REPRO, names], timeout=300, cwd=None,
+                   env=dict(os.environ)).finish()
 
 
 @pytest.mark.skipif(not nesting.ABORTS, reason="XLA 0.10 compiles it (jax < 0.12)")

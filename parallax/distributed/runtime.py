@@ -17,6 +17,10 @@ coordination service, keeps it up at exit until the launcher reports the other r
 for ``PARALLAX_EXIT_GRACE`` seconds (5), so that ranks finishing a little later are not cut
 off. :func:`shutdown` at the end of a program is the exact, synchronised exit.
 
+On CPU a multi-process job runs with JAX's persistent compilation cache off: a program one
+process loads from the cache and its peer compiles hang at their first collective with
+jax 0.12 (:mod:`parallax.distributed.compilation_cache`).
+
 The process joins one cluster at a time; like ``jax.distributed``'s own state, the spec it
 joined is remembered for :func:`local_rank` and :func:`local_size`.
 
@@ -34,7 +38,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from parallax.distributed import exit_gate
+from parallax.distributed import compilation_cache, exit_gate
 from parallax.distributed.environment import API, ClusterSpec, detect
 
 # The cluster this process joined (one per process, as in jax.distributed).
@@ -138,6 +142,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if jax.distributed.is_initialized():  # someone called jax.distributed.initialize()
         spec = ClusterSpec(num_processes=jax.process_count(), process_id=jax.process_index(),
                            source="jax.distributed (initialized elsewhere)")
+        if spec.is_multiprocess:
+            compilation_cache.off_on_cpu()  # in time if nothing was compiled yet
         _joined.append(spec)
         return spec
     timeouts = {name: _positive(name, value) for name, value in (
@@ -182,6 +188,7 @@ def _start(spec: ClusterSpec, timeouts: dict) -> None:
             f"at {where} (from {spec.source}): {str(error).strip().splitlines()[0]}. Check that "
             "process 0 runs with the same coordinator address and that the port is free."
         ) from None
+    compilation_cache.off_on_cpu()  # a cached and a fresh program hang (its docstring)
     if spec.launched:
         exit_gate.install(hosts_service=spec.process_id == 0)
 

@@ -2,22 +2,24 @@
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from tests.distributed.launching import Started
 
 ROOT = pathlib.Path(__file__).parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its process has 600 s (launching.Started)
 def test_gpu_benchmark_runs_on_cpu_with_the_tiny_config(tmp_path):
     results = tmp_path / "RESULTS.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if "xla_force_host_platform_device_count" not in f)
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--tiny", "--results",
-                           str(results)], capture_output=True, text=True, timeout=600, env=env)
+    done = Started(["bash", ROOT / "benchmarks" / "gpu.sh", "--tiny", "--results", results],
+                   timeout=600, cwd=None, env=env).finish()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "px/jit" in done.stdout and "MFU px" in done.stdout and "all_reduce" in done.stdout
     text = results.read_text()

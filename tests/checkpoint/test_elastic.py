@@ -49,20 +49,20 @@ def uninterrupted():
 
 def launch(*args, kill_at=None, timeout=240):
     """Runs the program under the launcher; with ``kill_at``, SIGKILLs rank 1 once both ranks
-    hold there (their commits written)."""
-    proc = launcher(["--grace", "1", *map(str, args)])
-    out_lines, holding = [], {}
-    if kill_at is not None:
-        for line in proc.stdout:
-            out_lines.append(line)
-            match = re.match(rf"\[(\d)\] rank \d pid (\d+) holding at step {kill_at}", line)
-            if match:
-                holding[match.group(1)] = int(match.group(2))
-            if len(holding) == 2:
-                os.kill(holding["1"], signal.SIGKILL)
-                break
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, "".join(out_lines) + out, err
+    hold there (their commits written). Past ``timeout`` seconds the launcher and its ranks
+    are killed and the test fails with their last output (launching.Started)."""
+    with launcher(["--grace", "1", *map(str, args)], timeout=timeout) as started:
+        holding = {}
+        if kill_at is not None:
+            for line in started.lines():
+                match = re.match(rf"\[(\d)\] rank \d pid (\d+) holding at step {kill_at}", line)
+                if match:
+                    holding[match.group(1)] = int(match.group(2))
+                if len(holding) == 2:
+                    os.kill(holding["1"], signal.SIGKILL)
+                    break
+        done = started.finish()
+    return done.returncode, done.stdout, done.stderr
 
 
 def assert_equal_to_uninterrupted(out_file, uninterrupted, processes):

@@ -10,7 +10,6 @@ import pathlib
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ from flax import nnx
 
 import parallax as px
 from parallax.checkpoint import CheckpointNotFoundError
+from tests.distributed.launching import Started
 
 from .programs.kill_worker import small
 
@@ -52,18 +52,16 @@ def like_small():
 
 def test_a_save_killed_midway_leaves_the_previous_step_and_is_ignored(tmp_path):
     directory = user_files(tmp_path / "ckpt")
-    child = subprocess.Popen([sys.executable, str(WORKER), str(directory)],
-                             stdout=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        assert child.stdout.readline().strip() == "saving 2"
+    with Started([sys.executable, WORKER, directory], timeout=120, cwd=None,
+                 env=dict(os.environ)) as child:
+        assert next(child.lines()).strip() == "saving 2"
         deadline = time.monotonic() + 60
         while not list(directory.glob("2.orbax-checkpoint-tmp*")):
-            assert time.monotonic() < deadline and child.poll() is None, "the save never started"
+            assert time.monotonic() < deadline and child.proc.poll() is None, (
+                "the save never started")
             time.sleep(0.002)
         os.kill(child.pid, signal.SIGKILL)  # mid-write: 64 MiB take far longer than a poll
-    finally:
-        child.kill()
-        child.wait()
+        child.finish()
     assert child.returncode == -signal.SIGKILL
     assert not (directory / "2").exists()            # never committed
     assert list(directory.glob("2.orbax-checkpoint-tmp*"))  # the partial write is there ...

@@ -6,7 +6,6 @@ pipeline; the data sampler's position (a NumPy generator's state) travels in ``e
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import jax
@@ -15,6 +14,7 @@ import pytest
 
 import fixtures as fx
 import parallax as px
+from tests.distributed.launching import Started
 
 from .ckpt_testing import RESUMABLE, WindowSampler, host, resumable, run
 
@@ -39,8 +39,8 @@ def test_resume_in_a_new_process_is_bitwise(tmp_path):
     for name in RESUMABLE:
         straight[name] = straight_run_saving_halfway(name, tmp_path / name)
         jobs += [name, str(tmp_path / name), str(tmp_path / f"{name}.npz")]
-    done = subprocess.run([sys.executable, str(WORKER), str(STEPS)] + jobs,
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    done = Started([sys.executable, WORKER, STEPS, *jobs], timeout=300, cwd=None,
+                   env=dict(os.environ)).finish()
     assert done.returncode == 0, done.stderr[-3000:]
     for name, (state, losses) in straight.items():
         resumed = np.load(tmp_path / f"{name}.npz")

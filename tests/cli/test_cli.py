@@ -1,13 +1,13 @@
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from parallax import cli
 from parallax.cli import presets
+from tests.distributed.launching import Started
 
 
 def test_presets_parse_names_into_meshes_and_strategies():
@@ -37,6 +37,7 @@ def test_unknown_preset():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its process has 600 s (launching.Started)
 def test_demo_runs_from_the_command_line():
     # The README's command as installed (the console script), on a fresh process that
     # simulates its own devices; python -m parallax.cli where the script is not on PATH.
@@ -45,8 +46,8 @@ def test_demo_runs_from_the_command_line():
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if "xla_force_host_platform_device_count" not in f)
-    out = subprocess.run(command + ["demo", "--steps", "4", "--quiet"],
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = Started(command + ["demo", "--steps", "4", "--quiet"], timeout=600, cwd=None,
+                  env=env).finish()
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "no accelerator found: 8 simulated CPU devices" in text

@@ -3,7 +3,6 @@ with the launcher's Python, ``-m`` runs a module, abbreviations are not guessed.
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -24,9 +23,7 @@ def reports(out):
 
 def test_a_bare_script_runs_with_this_python():
     # what a user types, as a separate process: torchrun's line with `parallax launch`
-    done = subprocess.run([sys.executable, "-m", "parallax.cli", "launch", "--nproc-per-node",
-                           "2", SCRIPT, "--lr", "1"], capture_output=True, text=True,
-                          cwd=ROOT, env=launching.test_env(), timeout=120)
+    done = launching.run_launcher(["--nproc-per-node", "2", SCRIPT, "--lr", "1"], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = reports(done.stdout)
     assert sorted(r["RANK"] for r in seen) == ["0", "1"]

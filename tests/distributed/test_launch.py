@@ -110,19 +110,21 @@ def test_unreachable_coordinator_is_an_error_not_a_hang(capfd):
 
 
 def test_ctrl_c_is_forwarded_and_stops_everything():
-    proc = launcher(["-np", "2", "--grace", "1", sys.executable, program("faulty.py"), "wait"])
-    out = ""
-    while len(re.findall(r"pid \d+", out)) < 2:  # both ranks started
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        out += line
-    start = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    rest, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and time.monotonic() - start < 10
-    assert "parallax launch: SIGINT received: forwarding it to ranks 0, 1" in err
-    assert "parallax launch: interrupted; stopped ranks" in err
-    assert_none_left(out + rest, expected=4)
+    with launcher(["-np", "2", "--grace", "1", sys.executable, program("faulty.py"), "wait"],
+                  timeout=60) as proc:
+        out = ""
+        for line in proc.lines():
+            out += line
+            if len(re.findall(r"pid \d+", out)) == 2:  # both ranks started
+                break
+        assert len(re.findall(r"pid \d+", out)) == 2, out + "".join(proc.err)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        done = proc.finish()
+    assert done.returncode == 130 and time.monotonic() - start < 10
+    assert "parallax launch: SIGINT received: forwarding it to ranks 0, 1" in done.stderr
+    assert "parallax launch: interrupted; stopped ranks" in done.stderr
+    assert_none_left(done.stdout, expected=4)
 
 
 def test_blame_prefers_the_cause_over_ranks_that_lost_a_peer():

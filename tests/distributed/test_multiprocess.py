@@ -27,10 +27,11 @@ def test_two_nodes_on_localhost_train_five_strategies_like_one_device():
     coordinator = f"127.0.0.1:{launch.free_port()}"
     common = ["--nnodes", "2", "--coordinator", coordinator, "--devices-per-process", "2"]
     command = [sys.executable, program("strategies.py"), "--horovod"]
-    node1 = launcher(["--nproc-per-node", "1", "--node-rank", "1", *common, *command])
-    node0 = run_launcher(["-np", "2", "--node-rank", "0", *common, *command])  # -np: the total
-    out1, err1 = node1.communicate(timeout=300)
-    assert node0.returncode == 0 and node1.returncode == 0, (
+    with launcher(["--nproc-per-node", "1", "--node-rank", "1", *common, *command]) as node1:
+        node0 = run_launcher(["-np", "2", "--node-rank", "0", *common, *command])  # the total
+        done1 = node1.finish()
+    out1, err1 = done1.stdout, done1.stderr
+    assert node0.returncode == 0 and done1.returncode == 0, (
         node0.stdout[-3000:] + node0.stderr[-3000:] + out1[-3000:] + err1[-3000:])
     for rank, text in ((0, node0.stdout), (1, out1)):
         results = re.findall(rf"^\[{rank}\] agree (.*)$", text, re.M)
@@ -45,10 +46,10 @@ def test_two_nodes_on_localhost_train_five_strategies_like_one_device():
 
 
 def test_a_jax_rank_that_exits_mid_training_ends_the_run_with_its_code():
-    proc = launcher(["-np", "2", "--grace", "2", sys.executable, program("stuck_peer.py")])
-    out, err = proc.communicate(timeout=300)
+    done = run_launcher(["-np", "2", "--grace", "2", sys.executable, program("stuck_peer.py")])
+    out, err = done.stdout, done.stderr
     end = time.time()
-    assert proc.returncode == 3, out[-3000:] + err[-3000:]
+    assert done.returncode == 3, out[-3000:] + err[-3000:]
     assert re.search(r"parallax launch: rank 1 \(pid \d+\) exited with code 3 after", err), err
     fault = float(re.search(r"fault at ([\d.]+)", out).group(1))
     assert end - fault < 10

@@ -19,10 +19,11 @@ import os
 import pathlib
 import re
 import runpy
-import subprocess
 import sys
 
 import pytest
+
+from tests.distributed.launching import Started
 
 ROOT = pathlib.Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
@@ -117,6 +118,7 @@ def _env() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the scripts' own deadline is 600 s (launching.Started)
 def test_multi_process_and_ray_examples_run(tmp_path):
     ported = {name for name, (launch, _) in PORTED.items() if isinstance(launch, list)}
     names = sorted(((LAUNCHED | OWN_PROCESS) & set(SCRIPTS)) | ported)
@@ -126,15 +128,15 @@ def test_multi_process_and_ray_examples_run(tmp_path):
         launch = PORTED[name][0] if name in PORTED else ["-np", "2"] if name in LAUNCHED else None
         if launch is not None:
             script = [sys.executable, "-m", "parallax.cli", "launch", *launch, *script]
-        started[name] = subprocess.Popen(script, cwd=tmp_path, env=_env(), text=True,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        started[name] = Started(script, timeout=600, cwd=tmp_path, env=_env(),
+                                merge_stderr=True)
     failed = {}
     for name, proc in started.items():
         try:
-            out, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # by its pid: this test started it
-            out, _ = proc.communicate()
-        if proc.returncode != 0 or (name in ported and "vs one" not in out):
-            failed[name] = out[-3000:]  # a ported script prints its comparison
+            done = proc.finish()
+        except AssertionError as late:  # killed, with what it started, at its deadline
+            failed[name] = str(late)[-3000:]
+            continue
+        if done.returncode != 0 or (name in ported and "vs one" not in done.stdout):
+            failed[name] = done.stdout[-3000:]  # a ported script prints its comparison
     assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())

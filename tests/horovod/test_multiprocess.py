@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.distributed.launching import run_launcher
+from tests.distributed.launching import Started, run_launcher
+from tests.distributed.launching import test_env as launch_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -43,29 +44,25 @@ def test_horovodruns_environment_is_one_job_not_n_single_processes():
     gloo_run.py: HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_*, HOROVOD_CROSS_*,
     HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT): one job of 2 ranks. Before, each trained alone with
     hvd.size() == 1."""
-    import subprocess
-
     from parallax.distributed.coordinator_address import free_port_pair
-    from tests.distributed.launching import ROOT, test_env
 
     rendezvous = free_port_pair() - 1  # horovodrun's server (absent here); JAX takes + 1
-    procs = [subprocess.Popen(
-        [sys.executable, "tests/horovod/programs/horovodrun_env.py"], cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=test_env(
+    procs = [Started(
+        [sys.executable, "tests/horovod/programs/horovodrun_env.py"], timeout=120,
+        merge_stderr=True, env=launch_env(
             HOROVOD_RANK=str(r), HOROVOD_SIZE="2", HOROVOD_LOCAL_RANK=str(r),
             HOROVOD_LOCAL_SIZE="2", HOROVOD_CROSS_RANK="0", HOROVOD_CROSS_SIZE="1",
             HOROVOD_HOSTNAME="localhost", HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
             HOROVOD_GLOO_RENDEZVOUS_PORT=str(rendezvous), HOROVOD_CONTROLLER="gloo",
             HOROVOD_CPU_OPERATIONS="gloo")) for r in range(2)]
     try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        dones = [p.finish() for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, out[-3000:]
+            p.kill()
+    outs = [d.stdout for d in dones]
+    for r, (done, out) in enumerate(zip(dones, outs)):
+        assert done.returncode == 0, out[-3000:]
         assert f"source horovodrun processes 2 size 2 rank {r} sum 3" in out, out[-3000:]
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 import parallax as px
 from parallax.grad.sliced_rng import is_key
 
-from .stock import key_data
+from byom.stock import key_data
 
 
 class Stateful(nnx.Module):

@@ -237,7 +237,7 @@ def test_benchmark_runs_and_memory_falls(capsys):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "context_parallel.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "context_parallel.py"
     spec = importlib.util.spec_from_file_location("cp_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -22,6 +22,7 @@ def reports(out):
             if re.match(r"\[\d+\] env \{", line)]
 
 
+@pytest.mark.slow
 def test_a_bare_script_runs_with_this_python():
     # what a user types, as a separate process: torchrun's line with `parallax launch`
     done = subprocess.run([sys.executable, "-m", "parallax.cli", "launch", "--nproc-per-node",

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import parallax as px
@@ -24,6 +25,7 @@ def test_same_parameters_as_the_reference_gpt():
     assert names(ref) == names(par)
 
 
+@pytest.mark.slow
 def test_explicit_loss_and_gradients_equal_the_reference_on_tensor_4():
     reference = px.models.GPT(CONFIG, rngs=nnx.Rngs(0))
     model = pnn.ParallelGPT(CONFIG, rngs=nnx.Rngs(0), sequence_parallel=True)
@@ -36,6 +38,7 @@ def test_explicit_loss_and_gradients_equal_the_reference_on_tensor_4():
     assert px.testing.relative_difference(ours, theirs) <= 1e-5
 
 
+@pytest.mark.slow
 def test_tensor_parallel_without_a_mesh_is_the_loss_itself_and_carries_aux():
     mlp = pnn.ParallelMLP(8, 32, rngs=nnx.Rngs(0))
     x = np.random.default_rng(1).standard_normal((2, 4, 8)).astype(np.float32)

@@ -22,6 +22,10 @@ CONFIG = fx.GPT_CONFIG
 B, T, D, L, H = 4, CONFIG.max_seq_len, CONFIG.embed_dim, CONFIG.num_layers, CONFIG.num_heads
 STEPS = 3
 
+# Every test here but the refusals compiles context-parallel programs (3 to 18 s of one core
+# each, docs/design.md "Test suite time"): the module runs in the full suite only.
+pytestmark = pytest.mark.slow
+
 # name -> (mesh axes, method, with DataParallel and TensorParallel)
 CASES = {
     "ring-cp2": ({"context": 2}, "ring"),

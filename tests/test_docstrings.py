@@ -18,8 +18,28 @@ MODULES = sorted(
 # xdist worker that runs the other Ray tests.
 RAY = ("parallax.ps.", "parallax.rpc.", "parallax.tf.parameter_server", "parallax.tf.coordinator",
        "parallax.tf.sharded_variable", "parallax.tf.server_model", "parallax.tf.embedding")
-PARAMS = [pytest.param(m, marks=pytest.mark.xdist_group("ray")) if m.startswith(RAY) else m
-          for m in MODULES]
+# Modules whose examples take more than about 2 s of one core (docs/design.md, "Test suite
+# time"): the fast lane (-m "not slow") leaves them out.
+SLOW = {"parallax.horovod.adasum", "parallax.models.gpt", "parallax.nn.layers",
+        "parallax.models.llama", "parallax.nn.llama_layers", "parallax.nn.moe",
+        "parallax.pipeline.update", "parallax.ps.kvstore", "parallax.ps.simple_app",
+        "parallax.ps.worker", "parallax.ps.workers", "parallax.strategies.context",
+        "parallax.strategies.context_groups", "parallax.strategies.context_ring",
+        "parallax.testing", "parallax.tf.coordinator", "parallax.tf.embedding",
+        "parallax.tf.parameter_server", "parallax.tf.server_model", "parallax.tf.sharded_variable"}
+
+
+def marks(name):
+    return ([pytest.mark.xdist_group("ray")] if name.startswith(RAY) else []) + (
+        [pytest.mark.slow] if name in SLOW else [])
+
+
+PARAMS = [pytest.param(m, marks=marks(m)) for m in MODULES]
+
+
+def test_the_slow_examples_name_modules():
+    """A module moved or renamed must not leave its slow examples in the fast lane."""
+    assert not SLOW - set(MODULES), f"not modules of parallax: {sorted(SLOW - set(MODULES))}"
 
 
 @pytest.mark.parametrize("name", PARAMS)

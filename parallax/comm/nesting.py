@@ -9,7 +9,7 @@ region first, are out of the mesh's axis order while some axis is still automati
 (first in parallax's order) inside ``data`` with ``tensor`` automatic. XLA 0.10.2 compiles
 the same program. With every axis manual the program compiles on both.
 
-Reproduced without parallax in ``tests/test_nesting.py`` (run in a subprocess there, since
+Reproduced without parallax in ``tests/comm/test_nesting.py`` (run in a subprocess there, since
 the abort cannot be caught). What parallax does about it:
 
 - :func:`widened` makes a nested region that only reads local shards (``on_local_shards``)

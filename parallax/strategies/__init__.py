@@ -23,6 +23,8 @@ interleaved, ZB, V)                            runtime, weight versions      pip
 mixed precision          precision.py          casts in parallax.grad;       test_precision
                                                parallax.loss_scale
 =======================  ====================  ============================  ==================
+
+The tests named are in ``tests/strategies/``, the folders and ``test_layout`` in ``tests/``.
 """
 
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation

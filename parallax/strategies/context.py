@@ -27,10 +27,10 @@ stage axis, attention's is nested in it over ``axis``, and since the stages run 
 actions at a tick, the ring's and the zigzag's point-to-point messages go as all-to-alls
 over ``axis`` (one replica group per stage) instead of ``ppermute`` s
 (:mod:`parallax.strategies.context_groups` says why and what it costs). Tested with GPipe,
-1F1B and ZB-H1 and both methods (``tests/test_context_pipeline.py``; interleaved 1F1B and
-ZB-V were checked once, outside the suite: ``docs/context_parallel.md``). Under a pipeline the
-parameters' gradients are summed over ``axis`` by each backward (once per micro-batch),
-not once per step.
+1F1B and ZB-H1 and both methods (``tests/strategies/test_context_pipeline.py``; interleaved
+1F1B and ZB-V were checked once, outside the suite: ``docs/context_parallel.md``). Under a
+pipeline the parameters' gradients are summed over ``axis`` by each backward (once per
+micro-batch), not once per step.
 
 Not supported: Megatron's sequence parallelism, which splits the same sequence dimension
 over the tensor axis (``compose`` refuses it: CP already splits the sequence).

@@ -7,8 +7,8 @@ tokens reach their experts through two all-to-alls (:mod:`.expert_dispatch`). Gr
 the experts are summed only over the batch axes that replicate them (``data``, not
 ``axis``: the all-to-alls already brought every device's tokens to them).
 
-What it composes with (tested in ``tests/test_expert.py``): ``DataParallel`` on another
-axis, ``FSDP``/``ZeRO`` (the experts' other dimensions sharded over ``fsdp``), and
+What it composes with (tested in ``tests/strategies/test_expert.py``): ``DataParallel`` on
+another axis, ``FSDP``/``ZeRO`` (the experts' other dimensions sharded over ``fsdp``), and
 ``TensorParallel`` (Megatron inside each expert: ``w_gate``/``w_up`` split by columns and
 ``w_down`` by rows over ``tensor``, one all-reduce of the experts' output per layer).
 The exchange runs in the explicit style (``shard_map``, ``lax.all_to_all``); under

@@ -50,6 +50,7 @@ def like_small():
     return jax.eval_shape(small)
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_step_and_is_ignored(tmp_path):
     directory = user_files(tmp_path / "ckpt")
     with Started([sys.executable, WORKER, directory], timeout=120, cwd=None,

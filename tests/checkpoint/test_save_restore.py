@@ -79,6 +79,7 @@ def test_extra_round_trips_what_a_resume_needs(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_manager_saves_every_few_steps_keeps_the_newest_and_restores(tmp_path):
     mesh, strategy = px.make_mesh(data=8), px.DataParallel("data")
     step = fx.mlp_step(mesh, strategy)

@@ -21,6 +21,7 @@ def reports(out):
             if re.match(r"\[\d+\] env \{", line)]
 
 
+@pytest.mark.slow
 def test_a_bare_script_runs_with_this_python():
     # what a user types, as a separate process: torchrun's line with `parallax launch`
     done = launching.run_launcher(["--nproc-per-node", "2", SCRIPT, "--lr", "1"], timeout=120)

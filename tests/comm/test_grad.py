@@ -50,6 +50,7 @@ def assert_within_bf16_bound(got, want, scale, n, what=""):
     assert np.all(err <= 2 * n * 2.0**-8 * scale), (what, err.max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_all_reduce_gradients(n):
     """float32 and bfloat16 leaves through every algorithm; float32 with bf16 on the wire,

@@ -11,6 +11,7 @@ from parallax import comm
 AXES = ("data", "tensor")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outer,inner", [(2, 4), (2, 2), (1, 2)])
 def test_hierarchical_matches_numpy(outer, inner):
     n = outer * inner

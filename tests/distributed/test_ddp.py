@@ -37,6 +37,7 @@ def gradient_all_reduces(compiled, mesh):
                   if c.kind == "all-reduce" and c.message_bytes > 4)
 
 
+@pytest.mark.slow
 def test_buckets_of_operands_compile_to_the_plain_sync():
     plain, mesh, state = compiled_step(None)
     bucketed, _, _ = compiled_step(px.BucketedSync())
@@ -125,6 +126,7 @@ def train(mesh, strategy, steps=3):
     return np.asarray(losses), state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["tree", "ring", "auto"])
 def test_point_to_point_sync_trains_like_one_device(algorithm):
     one_losses, one = train(px.make_mesh(data=1, devices=jax.devices()[:1]),
@@ -138,6 +140,7 @@ def test_point_to_point_sync_trains_like_one_device(algorithm):
         assert all(np.array_equal(np.asarray(s.data), first) for s in leaf.addressable_shards)
 
 
+@pytest.mark.slow
 def test_point_to_point_sync_composes_with_tensor_parallelism():
     one_losses, one = train(px.make_mesh(data=1, devices=jax.devices()[:1]),
                             px.DataParallel("data"))
@@ -158,6 +161,7 @@ def test_point_to_point_sync_sends_gradients_by_collective_permute():
     assert gradient_all_reduces(compiled, mesh) == []  # only the loss's scalar is psum'd
 
 
+@pytest.mark.slow
 def test_a_batch_axis_of_size_one_runs_no_collective():
     # XLA's CPU backend keeps an all-reduce over one device (a copy of every gradient)
     mesh = px.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])
@@ -190,6 +194,7 @@ def test_a_batch_axis_of_size_one_runs_no_collective():
     assert px.testing.relative_difference(trained.params, plain.params) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, algorithm", [(3, "tree"), (2, "ring")])
 def test_point_to_point_sync_sums_what_zero_leaves_across_replicas(stage, algorithm):
     # HSDP: ZeRO's reduce-scatter over fsdp, then the point-to-point sum over data

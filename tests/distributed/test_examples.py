@@ -17,6 +17,7 @@ def load(name):
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--steps", "3", "--loader", "plain"],
     ["--steps", "3", "--loader", "plain", "--strategy", "dp-tree"],

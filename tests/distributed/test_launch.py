@@ -109,6 +109,7 @@ def test_unreachable_coordinator_is_an_error_not_a_hang(capfd):
                      r"\(Connection refused\); start node 0 with the same --coordinator", err)
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_forwarded_and_stops_everything():
     with launcher(["-np", "2", "--grace", "1", sys.executable, program("faulty.py"), "wait"],
                   timeout=60) as proc:

@@ -183,6 +183,7 @@ def test_point_to_point_sums_train_to_the_one_device_numbers(algorithm):
     assert all(c.message_bytes <= 4 for c in found if c.kind == "all-reduce")
 
 
+@pytest.mark.slow
 def test_inside_px_train_step_the_strategy_has_already_averaged():
     k, make = 2, lambda tx: (lambda: px.TrainState.create(
         px.models.MLP(8, [32], 4, rngs=__import__("flax").nnx.Rngs(0)), tx))

@@ -209,6 +209,7 @@ def test_bf16_compute_gives_fp32_logits():
     assert residual.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_adam_training_lowers_the_loss(model):
     graphdef, params = nnx.split(model, nnx.Param)
     batch = {"tokens": _tokens((4, 33), seed=2)}
@@ -319,6 +320,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_where_they_are_concrete(mo
     assert np.isnan(float(loss(jnp.asarray(target_only))))  # what jit alone would give
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_changes_nothing_but_the_shapes():
     # Padded to a multiple of 8 (for tensor parallelism): the real rows start equal, the
     # padded logits are masked, so loss and gradients are the unpadded model's.

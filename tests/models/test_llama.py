@@ -54,6 +54,7 @@ def forward(model):
     return lambda tokens: fn(state, tokens)
 
 
+@pytest.mark.slow
 def test_shapes_causality_and_the_loss(model, forward):
     tokens = _tokens((2, 32))
     logits = forward(tokens)
@@ -103,6 +104,7 @@ def test_llama3_scaling_of_the_frequencies():
     assert kinds == {"kept", "scaled", "smoothed"}
 
 
+@pytest.mark.slow
 def test_grouped_query_attention_equals_multi_head_with_repeated_heads():
     d, h, g = 32, 4, 2
     freqs = rope_frequencies(d // h)
@@ -167,6 +169,7 @@ def test_flops_per_token():
     assert llama_flops_per_token(c, 32) == 6 * n + 12 * c.num_layers * 32 * c.embed_dim
 
 
+@pytest.mark.slow
 def test_vocabulary_padding_keeps_the_loss():
     padded = LlamaConfig.tiny(vocab_size=250, vocab_pad_multiple=64)
     plain = LlamaConfig.tiny(vocab_size=250)
@@ -248,6 +251,7 @@ def _assert_same_every_step(run, reference):
         assert px.testing.relative_difference(state, ref_state) <= 1e-5, i
 
 
+@pytest.mark.slow
 def test_dp_fsdp_tp_trains_like_one_device(reference):
     mesh = px.make_mesh(data=2, fsdp=2, tensor=2)
     strategy = px.compose(px.DataParallel("data"), px.FSDP("fsdp"), px.TensorParallel("tensor"))
@@ -270,6 +274,7 @@ def test_pipeline_trains_like_one_device(reference):
     _assert_same_every_step(_run(mesh, strategy, llama_stages, _batches()), reference)
 
 
+@pytest.mark.slow
 def test_explain_knows_the_llama():
     mesh, strategy = px.make_mesh(data=2, tensor=4), px.compose(
         px.DataParallel("data"), px.TensorParallel("tensor"))

@@ -32,6 +32,7 @@ def _hf_model(c: LlamaConfig):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     LlamaConfig.tiny(),  # grouped-query attention, Llama 3.1's RoPE scaling, untied head
     LlamaConfig.tiny(num_kv_heads=4, rope_scaling=None, rope_theta=500000.0,

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 import parallax as px
@@ -21,6 +22,7 @@ def test_same_parameters_as_the_reference_gpt():
     assert names(ref) == names(par)
 
 
+@pytest.mark.slow
 def test_explicit_loss_and_gradients_equal_the_reference_on_tensor_4():
     reference = px.models.GPT(CONFIG, rngs=nnx.Rngs(0))
     model = px.models.ParallelGPT(CONFIG, rngs=nnx.Rngs(0), sequence_parallel=True)

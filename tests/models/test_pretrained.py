@@ -34,6 +34,7 @@ def params(model):
     return jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 def test_save_then_load_is_the_identity_in_any_layout(tmp_path):
     model = ours()
     save_pretrained(tmp_path, model)
@@ -68,6 +69,7 @@ def test_each_device_reads_only_its_slice(tmp_path, monkeypatch):
     assert fc.addressable_shards[0].data.shape == (2, 16, 64)
 
 
+@pytest.mark.slow
 def test_vocabulary_padding_and_sharded_index_files(tmp_path):
     model = ours(vocab_pad_multiple=64)  # 96 -> 128 rows, the last 32 zero
     save_pretrained(tmp_path, model, max_shard_bytes=40_000)
@@ -81,6 +83,7 @@ def test_vocabulary_padding_and_sharded_index_files(tmp_path):
     np.testing.assert_allclose(loaded(TOKENS), model(TOKENS), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_llama_save_then_load_with_a_padded_untied_head(tmp_path):
     config = px.models.LlamaConfig(vocab_size=96, max_seq_len=32, num_layers=2, num_heads=4,
                                    num_kv_heads=2, embed_dim=32, mlp_dim=64,
@@ -143,6 +146,7 @@ def hf_logits(torch, model, tokens):
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
+@pytest.mark.slow
 def test_transformers_gpt2_loads_with_the_same_logits(tmp_path):
     torch, _, hf = hf_gpt2()
     hf.save_pretrained(tmp_path)  # transformers' own files

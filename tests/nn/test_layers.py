@@ -22,6 +22,7 @@ T = "tensor"
 X = inputs((2, 8, 16))  # [batch, sequence, embed]
 
 
+@pytest.mark.slow
 def test_column_parallel_linear():
     layer = pnn.ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
     compare(layer, X, out_spec=P(None, None, T))
@@ -46,6 +47,7 @@ def test_parallel_mlp(sequence_parallel):
     compare(mlp, X, in_spec=spec, out_spec=spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [None, 4, 2, 1], ids=["mha", "gqa4", "gqa2", "mqa"])
 def test_parallel_self_attention(kv_heads):
     # 8 heads over 2 or 4 ranks; key/value heads split (4 over 2 or 4, 2 over 2) or
@@ -54,12 +56,14 @@ def test_parallel_self_attention(kv_heads):
     compare(attn, inputs((2, 8, 32)))
 
 
+@pytest.mark.slow
 def test_parallel_self_attention_sequence_parallel():
     attn = pnn.ParallelSelfAttention(32, 8, num_kv_heads=2, sequence_parallel=True,
                                      rngs=nnx.Rngs(0))
     compare(attn, inputs((2, 8, 32)), in_spec=P(None, T), out_spec=P(None, T))
 
 
+@pytest.mark.slow
 def test_vocab_parallel_embedding():
     ids = ints((2, 8), 250, seed=1)
     emb = pnn.VocabParallelEmbedding(250, 16, pad_to_multiple_of=4, rngs=nnx.Rngs(0))
@@ -141,6 +145,7 @@ def test_wrong_local_shape_names_param_specs():
                               out_specs=P(None, None, T)))(X)
 
 
+@pytest.mark.slow
 def test_the_layers_also_run_gspmd_style_under_the_rules():
     # Outside shard_map the layers are the dense layers with logical names: under
     # px.TensorParallel's rules XLA shards them, and training matches one device.

@@ -37,6 +37,7 @@ def test_dispatch_places_each_kept_choice_once():
                                jnp.sum(routing.gates * kept, -1), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_dropless_grouped_matmuls_equal_padded_slots(score):
     x = jax.random.normal(jax.random.key(1), (2, 8, 16))

@@ -65,6 +65,7 @@ def test_dropout_scales_kept_values_and_is_the_identity_when_off():
         pnn.dropout(x, 1.0, KEY)
 
 
+@pytest.mark.slow
 def test_attention_dropout_under_tensor_parallelism_equals_one_device():
     # Probabilities are dropped per global head, so tensor=2 and 4 draw the masks one device
     # draws: outputs and gradients agree although dropout is on.

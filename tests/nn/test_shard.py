@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import parallax as px
@@ -11,6 +12,7 @@ import parallax.nn as pnn
 from .nn_testing import tensor_mesh
 
 
+@pytest.mark.slow
 def test_tensor_parallel_without_a_mesh_is_the_loss_itself_and_carries_aux():
     mlp = pnn.ParallelMLP(8, 32, rngs=nnx.Rngs(0))
     x = np.random.default_rng(1).standard_normal((2, 4, 8)).astype(np.float32)

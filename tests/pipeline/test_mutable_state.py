@@ -165,6 +165,7 @@ def differences(run, reference) -> dict:
 
 # --- the tests --------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_stages_with_batch_norm_and_dropout_train_as_the_loop(schedule):
     run = pipelined(schedule, batch_stats="per_microbatch")
@@ -179,6 +180,7 @@ def test_stages_with_batch_norm_and_dropout_train_as_the_loop(schedule):
     assert int(rest["drop_out"]["rngs"]["count"][...]) == STEPS * M
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_with_data_parallel_each_shard_runs_the_loop(schedule):
     diffs = differences(pipelined(schedule, data=2, batch_stats="per_microbatch"),
@@ -186,6 +188,7 @@ def test_with_data_parallel_each_shard_runs_the_loop(schedule):
     assert max(diffs.values()) <= 1e-5, diffs
 
 
+@pytest.mark.slow
 def test_dropout_masks_are_compared():
     """Another dropout seed changes the losses far beyond the tolerance: equal losses mean
     equal masks."""
@@ -194,6 +197,7 @@ def test_dropout_masks_are_compared():
                                           np.asarray(loop_reference()[0])) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", [1, 4])
 def test_dropout_only_trains_as_one_device_on_the_whole_batch(data):
     """Without batch statistics the default options hold: micro-batch m draws its rows of
@@ -202,12 +206,14 @@ def test_dropout_only_trains_as_one_device_on_the_whole_batch(data):
     assert max(diffs.values()) <= 1e-5, diffs
 
 
+@pytest.mark.slow
 def test_other_schedules_carry_the_state_too():
     run = pipelined("zbv", batch_stats="per_microbatch")  # first and last on one stage
     diffs = differences(run, loop_reference())
     assert max(diffs.values()) <= 1e-5, diffs
 
 
+@pytest.mark.slow
 def test_value_and_grad_writes_the_state_back():
     model, batch = make(), batches(1)[0]
     fn = px.pipeline.value_and_grad(STAGES, "1f1b", microbatches=M, batch_stats="per_microbatch")
@@ -289,6 +295,7 @@ def test_first_and_last_sharing_a_stream_is_refused():
         step.lower(state, batches(1)[0])
 
 
+@pytest.mark.slow
 def test_gpipe_by_autodiff_refuses_state():
     fn = px.pipeline.gpipe_value_and_grad(STAGES, microbatches=M)
     with jax.set_mesh(px.make_mesh(stage=2, devices=jax.devices()[:2])):

@@ -74,6 +74,7 @@ def _bitwise_equal(a, b):
     assert all(jax.tree.leaves(same))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_float32_policy_gives_exactly_the_numbers_without_one(schedule):
     _bitwise_equal(_mlp_run(schedule, "float32"), _mlp_run(schedule))
@@ -88,6 +89,7 @@ def test_float32_policy_gives_exactly_the_gpts_numbers():
     _bitwise_equal(*runs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_bf16_pipeline_is_within_two_percent_of_fp32(schedule):
     ref, run = _mlp_run(schedule), _mlp_run(schedule, "bfloat16")
@@ -131,12 +133,14 @@ def _stage_all_reduce_dtypes(lowered):
             for d, shape in zip(c.dtypes, c.shapes) if shape}
 
 
+@pytest.mark.slow
 def test_reduce_dtype_sets_the_stage_axis_gradient_sum():
     assert _stage_all_reduce_dtypes(_lowered("gpipe", compute="float32")) == {"f32"}
     assert _stage_all_reduce_dtypes(
         _lowered("gpipe", compute="float32", reduce="float16")) == {"f16"}
 
 
+@pytest.mark.slow
 def test_stashed_weights_refuse_a_policy():
     mesh = px.make_mesh(devices=jax.devices()[:2], stage=2)
     strategy = px.compose(px.Pipeline("stage", microbatches=2, weights="stashed"),

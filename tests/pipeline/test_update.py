@@ -164,6 +164,7 @@ def test_2bw_applies_the_previous_versions_gradient():
     np.testing.assert_allclose(run[0][:2], two_versions_reference(TX)[0][:2], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_versions_memory_is_read_from_the_compiled_programs():
     """2BW's state holds the parameters twice; stashing keeps one version per micro-batch
     in flight (the versions ring, ``peak_in_flight`` slots + a spare) in the step's

@@ -46,12 +46,14 @@ def assert_agrees(report, tolerance=0.05):
     assert report.row("matmul flops").ratio == pytest.approx(1, abs=0.05), report.text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3", "dp+tp", "dp+tp-sp",
                                   "dp+fsdp+tp"])
 def test_explain_agrees_with_the_compiled_program(name):
     assert_agrees(gpt_report(name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["tree", "ring", "auto"])
 def test_explain_predicts_a_point_to_point_sync(algorithm):
     # gradients summed by collective-permutes: predicted from the algorithm, and found

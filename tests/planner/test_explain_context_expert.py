@@ -167,6 +167,7 @@ def test_expert_parallel_rows_match_the_compiled_program():
     assert flops.ratio == pytest.approx(1, abs=0.1), report.text()
 
 
+@pytest.mark.slow
 def test_moe_without_an_expert_axis_is_noted_as_replicated():
     _, report = moe_report(False)
     assert report.facts["note"] == (

@@ -67,6 +67,7 @@ def check(case, **kw):
     return row.ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FAST, ids=lambda c: f"{c[0]}-p{c[1]}-m{c[2]}-{c[4]}")
 def test_pipeline_peak_within_1_2x_of_the_compiled_program(case):
     check(case)

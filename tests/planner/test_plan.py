@@ -48,6 +48,7 @@ def test_candidates_cover_the_factorizations_and_say_why_some_cannot_run():
         "the batch of 6 does not split over 4 data-parallel ways")
 
 
+@pytest.mark.slow
 def test_the_plan_is_ready_for_init_and_a_step():
     plan = px.plan(make_mlp(), px.models.mse_loss, MLP_BATCH, devices=4, space=SMALL, top_k=2)
     mesh, strategy = plan

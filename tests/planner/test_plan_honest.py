@@ -57,6 +57,7 @@ def test_explain_names_the_chips_link():
     assert report.facts["chip"] == "tpu-v5e" and report.facts["link"] == "tpu-v5e-ici"
 
 
+@pytest.mark.slow
 def test_rejections_are_compiled_or_marked_predicted_only():
     free = px.plan(make_mlp, px.models.mse_loss, BATCH, devices=4, space=SMALL, top_k=1)
     ranked = sorted((e for e in free.evaluations if e.predicted_peak),

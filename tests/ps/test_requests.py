@@ -11,7 +11,7 @@ from parallax.ps.slicer import default_slicer
 from ps.ps_testing import (RecordingHandle, SeenMetas, echo_simple_handle,
                            exploding_sum_handle)
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.usefixtures("ray_cluster")]
 
 
 def spread_keys(store, per_server=2):

@@ -3,12 +3,16 @@
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import parallax as px
 from parallax.analysis import hlo
 
 from .tf_testing import GLOBAL_BATCH, Net, dataset, objects, train_mirrored, train_one_device
+
+# Each test takes 2.5 to 3 s of one core (docs/design.md, "Test suite time"): full suite only.
+pytestmark = pytest.mark.slow
 
 
 def _step(model, optimizer, inputs):

@@ -95,6 +95,7 @@ def _reference_weights(rows, global_batch_size):
     return np.concatenate([np.full(r, 1.0 / (r * N), np.float32) for r in split if r])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("global_batch_size", [GLOBAL, None, 5],
                          ids=["tutorial-GLOBAL_BATCH", "tf-default", "true-size"])
 def test_partial_last_batch_trains_as_tensorflow(global_batch_size):

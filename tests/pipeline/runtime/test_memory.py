@@ -4,11 +4,15 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 
 from parallax import pipeline as pp
 from parallax.analysis import hlo
 
 from ..runtime_testing import TOY, compiled, layer
+
+# Each test compiles four or five pipelines (5 s of one core or more): full suite only.
+pytestmark = pytest.mark.slow
 
 WIDTH, MICRO, STAGES = 256, 32, 4  # buffers dominate: a micro-batch's activation is 32 KB
 

@@ -58,6 +58,7 @@ def test_each_use_of_a_parameter_has_one_gradient_and_bias_adds_share_it():
     assert len(s.use_inputs) == 6  # the activations W reads (bias adds read none)
 
 
+@pytest.mark.slow
 def test_w_does_not_walk_the_chain_again():
     """From the compiled programs: B and W (each its own program, as in the runtime's
     switch) cost what the backward of one vjp costs; a W from the layer's own vjp would
@@ -91,6 +92,7 @@ def test_a_layer_output_must_depend_on_its_input():
         split(lambda p, x: p[0] * 2.0, [jnp.ones(3)], jnp.ones(3), "test")
 
 
+@pytest.mark.slow
 def test_what_no_input_makes_is_not_stashed():
     """The attention's causal mask is a residual of the layer's vjp that no input flows
     into: F keeps it out of the stash (every micro-batch and layer would write and read

@@ -91,6 +91,7 @@ def test_a_custom_schedule_runs_as_drawn():
     np.testing.assert_array_equal(np.asarray(codes), sched.as_arrays().kind)
 
 
+@pytest.mark.slow
 def test_each_action_computes_only_its_part():
     """From the compiled program: the tick loop holds one guarded loop per kind of action,
     a backward holds no weight-gradient matmul, the weight action no input-gradient one,
@@ -148,6 +149,7 @@ def test_remat_options_give_the_same_gradients(remat):
     assert_matches_sequential(loss, grads, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["never", "always"])
 def test_gpipe_by_autodiff_agrees_with_the_table_runtime(remat):
     params, batch = toy_params(4), toy_batch()
@@ -159,6 +161,7 @@ def test_gpipe_by_autodiff_agrees_with_the_table_runtime(remat):
     assert_matches_sequential(*auto, 4)
 
 
+@pytest.mark.slow
 def test_nnx_modules_and_pytree_activations():
     from flax import nnx
 

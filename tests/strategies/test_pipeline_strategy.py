@@ -19,6 +19,7 @@ from parallax.strategies.pipeline import Pipeline
 from pipeline.runtime_testing import LOSS, Toy, toy_batch
 
 
+@pytest.mark.slow
 def test_the_gpt_stages_are_the_gpt_loss():
     model = px.models.GPT(fx.GPT_CONFIG, rngs=nnx.Rngs(0))
     batch = fx.gpt_batches(1, batch=4)[0]

@@ -14,7 +14,7 @@ from flax import nnx
 import parallax as px
 from parallax.grad.sliced_rng import is_key
 
-from .stock import key_data
+from byom.stock import key_data
 
 
 class Stateful(nnx.Module):
@@ -153,6 +153,7 @@ def test_aux_state_and_masks_equal_one_device(name):
     assert px.testing.relative_difference(rest, ref_rest) <= 1e-5
 
 
+@pytest.mark.slow
 def test_run_to_run_masks_are_deterministic_and_per_shard_streams_differ():
     m = mesh(data=4)
     first, _, _, _ = parallax_steps(m, px.DataParallel(), steps=1)

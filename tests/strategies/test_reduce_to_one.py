@@ -54,6 +54,7 @@ def _step_collectives(sync):
     return hlo.collectives(compiled, mesh), grad_bytes
 
 
+@pytest.mark.slow
 def test_root_carries_the_traffic():
     n, root = 8, 2
     found, size = _step_collectives(ReduceToOne(root=root))

@@ -53,6 +53,7 @@ def _gradient_all_reduces(bucket_bytes):
     return found, grad_bytes, len(jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
 def test_one_all_reduce_per_bucket():
     found, grad_bytes, leaves = _gradient_all_reduces(8192)
     assert len(found) == math.ceil(grad_bytes / 8192) < leaves

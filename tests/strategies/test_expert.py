@@ -90,6 +90,7 @@ def test_no_drops_matches_one_device():
     assert_same_trajectory(par, ref)
 
 
+@pytest.mark.slow
 def test_drops_match_one_device_and_two_all_to_alls_each_way():
     cfg = config(capacity_factor=0.5)
     ref = trajectory(*one_device(cfg))
@@ -229,6 +230,7 @@ def test_experts_not_divisible_by_the_axis_are_refused():
         px.init(make(cfg), px.make_mesh(data=2, expert=4), DP_EP[1])
 
 
+@pytest.mark.slow
 def test_moe_without_an_expert_axis_runs_replicated_and_says_so():
     cfg = config(capacity_factor=4.0)
     mesh = px.make_mesh(data=8)

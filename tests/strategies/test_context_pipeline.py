@@ -27,6 +27,10 @@ STEPS, B, T, MICRO = 3, 4, 16, 2
 GPT = px.models.GPTConfig.tiny(max_seq_len=T)
 LLAMA = px.models.LlamaConfig.tiny(max_seq_len=T)
 
+# Each case compiles a pipeline with context parallelism in its stages (8 to 20 s of one core,
+# docs/design.md "Test suite time"): the module runs in the full suite only.
+pytestmark = pytest.mark.slow
+
 # name -> (family, mesh axes, method, schedule)
 CASES = {
     "gpt-ring-gpipe-pp2-cp2": ("gpt", {"stage": 2, "context": 2}, "ring", "gpipe"),

@@ -261,6 +261,7 @@ def test_padding_the_vocabulary_fixes_it():
     assert state.params["wte"][...].sharding.spec == jax.P("tensor")
 
 
+@pytest.mark.slow
 def test_sequence_not_divisible_under_sequence_parallelism():
     mesh, strategy = _mesh4(), px.TensorParallel("tensor", sequence_parallel=True)
     state = px.init(_gpt_state(), mesh, strategy)
@@ -283,6 +284,7 @@ def test_sequence_not_divisible_under_sequence_parallelism():
         _explicit()(np.zeros((2, 64), np.int32))
 
 
+@pytest.mark.slow
 def test_key_value_heads_that_neither_split_nor_replicate():
     attn = px.nn.ParallelSelfAttention(48, 6, num_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=(

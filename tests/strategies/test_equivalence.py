@@ -49,6 +49,7 @@ def test_gpt_microbatches_with_zero3_match_full_batch():
     check("gpt", "zero3", microbatches=2)
 
 
+@pytest.mark.slow
 def test_accumulation_without_a_mesh_equals_the_full_batch():
     make, loss, data, _, _ = fx.reference("mlp")
     state = make()
@@ -60,6 +61,7 @@ def test_accumulation_without_a_mesh_equals_the_full_batch():
     assert px.testing.relative_difference(split, full) <= 1e-5
 
 
+@pytest.mark.slow
 def test_linen_boxed_parameters_train_like_one_device():
     # A Linen model whose kernels carry LogicallyPartitioned boxes: px.init reads the
     # logical names from the boxes (TP splits "mlp"), and it trains like one device.

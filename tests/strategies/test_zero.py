@@ -102,6 +102,7 @@ def test_hsdp_moves_only_the_owned_slice_across_data():
     assert hlo.total_bytes(found, "all-reduce", "data") == grad_bytes // 4
 
 
+@pytest.mark.slow
 def test_gpt_state_is_created_sharded_and_matches_the_formula():
     mesh = px.make_mesh(fsdp=SHARDS)
     make = lambda: px.TrainState.create(px.models.GPT(fx.GPT_CONFIG, rngs=nnx.Rngs(0)), optax.adam(1e-3))

@@ -22,6 +22,10 @@ CONFIG = fx.GPT_CONFIG
 B, T, D, L, H = 4, CONFIG.max_seq_len, CONFIG.embed_dim, CONFIG.num_layers, CONFIG.num_heads
 STEPS = 3
 
+# Every test here but the refusals compiles context-parallel programs (3 to 18 s of one core
+# each, docs/design.md "Test suite time"): the module runs in the full suite only.
+pytestmark = pytest.mark.slow
+
 # name -> (mesh axes, method, with DataParallel and TensorParallel)
 CASES = {
     "ring-cp2": ({"context": 2}, "ring"),
@@ -237,7 +241,7 @@ def test_benchmark_runs_and_memory_falls(capsys):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "context_parallel.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "context_parallel.py"
     spec = importlib.util.spec_from_file_location("cp_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

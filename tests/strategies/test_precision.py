@@ -47,6 +47,7 @@ def _train(strategy, make, batches, loss_fn=px.models.mse_loss):
     return state, out, step
 
 
+@pytest.mark.slow
 def test_bf16_compute_is_within_two_percent_of_fp32_over_20_steps():
     data = _batches(20)
     dp = px.DataParallel("data")
@@ -88,6 +89,7 @@ def _gradient_all_reduce_bytes(lowered):
 PARAMS = 16 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16  # the MLP's parameters
 
 
+@pytest.mark.slow
 def test_reduce_dtype_sets_the_compiled_all_reduce_bytes():
     full = _gradient_all_reduce_bytes(_lowered("float32"))
     assert full == 4 * PARAMS
@@ -115,6 +117,7 @@ def _gspmd_all_reduce_dtypes(compute, reduce):
             for d, shape in zip(c.dtypes, c.shapes) if shape}
 
 
+@pytest.mark.slow
 def test_gspmd_sums_gradients_in_the_compute_dtype():
     """The partitioner all-reduces each weight-gradient matmul's partial result in its own
     dtype (the compute dtype), before any cast: ``reduce`` does not apply (documented)."""
@@ -122,6 +125,7 @@ def test_gspmd_sums_gradients_in_the_compute_dtype():
     assert _gspmd_all_reduce_dtypes("float32", "float16") == {"f32"}
 
 
+@pytest.mark.slow
 def test_fp16_loss_scaling_skips_an_overflow_and_recovers():
     tx = px.dynamic_loss_scale(optax.sgd(0.05), initial_scale=2.0 ** 10, period=2)
     strategy = px.compose(px.DataParallel("data"), px.MixedPrecision(compute="float16"))
@@ -175,6 +179,7 @@ def _bn_loss(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
+@pytest.mark.slow
 def test_stock_nnx_layers_train_in_bf16():
     make = lambda: px.TrainState.create(LinearBatchNorm(nnx.Rngs(0)), optax.adam(1e-2))  # noqa: E731
     data = _batches(5)

@@ -32,6 +32,10 @@ ZB-V were checked once, outside the suite: ``docs/context_parallel.md``). Under 
 parameters' gradients are summed over ``axis`` by each backward (once per micro-batch),
 not once per step.
 
+Under ``data x context x tensor`` the models' token lookup is split here too
+(:meth:`ContextSplit.lookup`, called by :func:`parallax.attention.token_embeddings`): XLA
+0.12's partitioner aborts the process on the lookup GSPMD would write there.
+
 Not supported: Megatron's sequence parallelism, which splits the same sequence dimension
 over the tensor axis (``compose`` refuses it: CP already splits the sequence).
 """
@@ -156,7 +160,7 @@ class ContextSplit:
 
         Where the table may be split over another automatic axis (tensor parallelism's
         vocabulary) inside a manual region (the explicit step's ``shard_map`` over the batch
-        axes), GSPMD is not left to choose how to split the lookup, which XLA 0.12.1 aborts
+        axes), GSPMD is not left to choose how to split the lookup, which XLA 0.12 aborts
         on (``parallax.attention.token_embeddings`` says when): the forward runs in a
         ``shard_map`` over the context axis (each device looks up its own ids; the table
         stays automatic), and the backward gathers the ids and the rows' cotangent over the

@@ -11,8 +11,9 @@ Context parallelism holds the sequence in its own order (the zigzag split, which
 causal attention). A model that runs under it does two more things, both the identity
 elsewhere:
 
-- reads its positions from :func:`sequence_positions` (and its token ids in that order),
-  so position embeddings and RoPE see the global index;
+- reads its token embeddings with :func:`token_embeddings` (the rows of its ids in that
+  order; :func:`in_sequence_order` reorders any other per-token input) and its positions
+  from :func:`sequence_positions`, so position embeddings and RoPE see the global index;
 - calls :func:`natural_order` on its hidden states before the output projection, so the
   logits are in the order of the labels.
 
@@ -128,6 +129,43 @@ def in_sequence_order(x: jax.Array, api: str = "parallax.attention.in_sequence_o
     found = _split()
     order = None if found is None else found[0].order(x.shape[1], found[1], api)
     return x if order is None else jnp.take(x, jnp.asarray(order), axis=1)
+
+
+def token_embeddings(table: jax.Array, tokens: jax.Array,
+                     api: str = "parallax.attention.token_embeddings") -> jax.Array:
+    """The rows of an embedding ``table`` ``[V, D]`` for token ids ``tokens`` ``[B, T]`` (natural
+    order), in the model's order: ``jnp.take(table, in_sequence_order(tokens), axis=0)``.
+
+    Under context parallelism composed with an axis that may split the table (tensor
+    parallelism's vocabulary) inside a manual region (the explicit step's ``shard_map`` over
+    the batch axes), the lookup is not left to GSPMD: XLA 0.12's partitioner aborts the
+    process on it (``spmd_partitioner_util.cc``: ``Check failed: partition_group_list...``
+    in ``ExpandDeviceGroupsWithIota``): on the lookup from ``T = 128`` (the abort seen with
+    0.12.0.1) and on its gradient's scatter-add at every length (0.12.1);
+    ``tests/strategies/test_context_lookup.py`` reproduces both without parallax. parallax
+    looks each device's ids up in a ``shard_map`` over the context axis and gathers the ids and the rows' gradient over it
+    before the scatter-add: the collectives XLA 0.10 chose by itself for ``jnp.take``.
+    Elsewhere this is ``jnp.take(table, in_sequence_order(tokens), axis=0)``, which a model
+    may call itself (the two are the same outside that composition).
+
+    Args:
+      table: ``[V, D]`` embedding rows.
+      tokens: integer ids ``[B, T]``, natural order.
+      api: the caller, named in errors.
+
+    Returns:
+      ``[B, T, D]``, in the model's sequence order.
+
+    Example:
+      >>> table = jnp.arange(6.0).reshape(3, 2)
+      >>> token_embeddings(table, jnp.array([[2, 0]])).tolist()
+      [[[4.0, 5.0], [0.0, 1.0]]]
+    """
+    ids = in_sequence_order(tokens, api)
+    found = _split()
+    if found is None:
+        return jnp.take(table, ids, axis=0)
+    return found[0].lookup(table, ids, context.current())
 
 
 def pipeline_stage_axis() -> str | None:

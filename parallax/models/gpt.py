@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.attention import (
-    in_sequence_order,
     natural_order,
     sequence_positions,
+    token_embeddings,
     whole_labels,
 )
 from parallax import finite_check
@@ -172,8 +172,8 @@ class GPT(nnx.Module):
         check_token_ids("GPT.embed", tokens, vocab)
         finite_check.require(f"GPT.embed: token ids within [0, {vocab})",
                        lambda: ((tokens >= 0) & (tokens < vocab)).all())
-        ids = in_sequence_order(tokens, "GPT.embed")
-        x = jnp.take(self.wte[...], ids, axis=0) + jnp.take(self.wpe[...], positions, axis=0)
+        x = token_embeddings(self.wte[...], tokens, "GPT.embed") + jnp.take(
+            self.wpe[...], positions, axis=0)
         # Under sequence parallelism: all-reduce the vocabulary-parallel lookup, then split
         # the sequence (Megatron's embedding), rather than gathering the table.
         x = gather_sequence(x.astype(self.config.dtype), WHOLE_SEQUENCE)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.activations import constrain
-from parallax.attention import in_sequence_order, natural_order, sequence_positions
+from parallax.attention import natural_order, sequence_positions, token_embeddings
 from parallax.models.gpt_pipeline import head_loss
 from parallax.nn.layers import RESIDUAL, WHOLE_SEQUENCE, annotated_param, gather_sequence
 from parallax.models.llama_config import LlamaConfig
@@ -162,8 +162,7 @@ class Llama(nnx.Module):
         finite_check.require(f"Llama.embed: token ids within [0, {vocab})",
                              lambda: ((tokens >= 0) & (tokens < vocab)).all())
         # Under context parallelism the model holds the sequence in the zigzag order.
-        x = jnp.take(self.embed[...], in_sequence_order(tokens, "Llama.embed"),
-                     axis=0).astype(self.config.dtype)
+        x = token_embeddings(self.embed[...], tokens, "Llama.embed").astype(self.config.dtype)
         # As the GPT: all-reduce the vocabulary-parallel lookup, then split the sequence.
         return constrain(gather_sequence(x, WHOLE_SEQUENCE), RESIDUAL)
 

@@ -32,6 +32,10 @@ over ``axis`` (one replica group per stage) instead of ``ppermute`` s
 pipeline the parameters' gradients are summed over ``axis`` by each backward (once per
 micro-batch), not once per step.
 
+Under ``data x context x tensor`` the models' token lookup is split here too
+(:meth:`ContextSplit.lookup`, called by :func:`parallax.attention.token_embeddings`): XLA
+0.12's partitioner aborts the process on the lookup GSPMD would write there.
+
 Not supported: Megatron's sequence parallelism, which splits the same sequence dimension
 over the tensor axis (``compose`` refuses it: CP already splits the sequence).
 """
@@ -49,6 +53,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from parallax.comm import nesting
 from parallax.mesh import describe
+from parallax.rules import resolve_spec
 from parallax.strategies import context_groups, context_ring, context_zigzag
 from parallax.strategy import Strategy
 
@@ -149,6 +154,42 @@ class ContextSplit:
         natural = jax.custom_vjp(lambda v: forward(v))
         natural.defvjp(lambda v: (forward(v), None), lambda _, g: (backward(g),))
         return natural(x)
+
+    def lookup(self, table, ids, ctx):
+        """``jnp.take(table, ids, axis=0)``, ``ids`` ``[B, T]`` in the zigzag order.
+
+        Where the table may be split over another automatic axis (tensor parallelism's
+        vocabulary) inside a manual region (the explicit step's ``shard_map`` over the batch
+        axes), GSPMD is not left to choose how to split the lookup, which XLA 0.12 aborts
+        on (``parallax.attention.token_embeddings`` says when): the forward runs in a
+        ``shard_map`` over the context axis (each device looks up its own ids; the table
+        stays automatic), and the backward gathers the ids and the rows' cotangent over the
+        context axis before the scatter-add into the table. Both are what XLA 0.10 chose by
+        itself for ``jnp.take``: the same collectives, the same bytes.
+        """
+        manual = ctx.manual_axes
+        others = [a for a in ctx.strategy.mesh_axes() if a != self.axis and a not in manual
+                  and int(ctx.mesh.shape.get(a, 1)) > 1]
+        if not manual or not others:
+            return jnp.take(table, ids, axis=0)
+        take = lambda t, i: jnp.take(t, i, axis=0)
+        seq = PartitionSpec(None, self.axis)
+        forward = self._map(take, (PartitionSpec(), seq), seq)
+        whole = lambda shape: resolve_spec(
+            ("batch",) + (None,) * (len(shape) - 1), shape, ctx.strategy.activation_rules,
+            ctx.mesh, api="parallax.attention.token_embeddings", skip_axes=manual,
+            path="the token embeddings' gradient")
+        ids_whole, rows_whole = whole(ids.shape), whole(ids.shape + table.shape[1:])
+
+        def backward(residuals, d_rows):
+            t, i = residuals
+            i = lax.with_sharding_constraint(i, ids_whole)
+            d_rows = lax.with_sharding_constraint(d_rows, rows_whole)
+            return jax.vjp(lambda t: take(t, i), t)[1](d_rows)[0], None
+
+        lookup = jax.custom_vjp(lambda t, i: forward(t, i))
+        lookup.defvjp(lambda t, i: (forward(t, i), (t, i)), backward)
+        return lookup(table, ids)
 
     def check(self, strategies) -> None:
         for s in strategies:

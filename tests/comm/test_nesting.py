@@ -36,10 +36,18 @@ def run_repro(names: str):
                    env=dict(os.environ)).finish()
 
 
-@pytest.mark.skipif(not nesting.ABORTS, reason="XLA 0.10 compiles it (jax < 0.12)")
-def test_xla_aborts_on_stage_manual_inside_data_with_tensor_automatic():
+# The versions whose XLA aborts on it: seen with jax 0.12.0.1; 0.10.2 and 0.12.1 compile it
+# (parallax's check, nesting.ABORTS, still covers every 0.12: see parallax/comm/nesting.py).
+SHOWS_ABORT = (0, 12) <= jax.__version_info__[:3] < (0, 12, 1)
+
+
+def test_xla_on_stage_manual_inside_data_with_tensor_automatic():
     bad = run_repro("stage,data,tensor")
-    assert bad.returncode != 0 and "Manual axes must be sorted" in bad.stderr, bad.stderr[-2000:]
+    if SHOWS_ABORT:
+        assert bad.returncode != 0 and "Manual axes must be sorted" in bad.stderr, \
+            bad.stderr[-2000:]
+    else:
+        assert bad.returncode == 0 and bad.stdout.strip() == "192.0", bad.stderr[-2000:]
     good = run_repro("data,stage,tensor")  # the same nesting, in the mesh's order
     assert good.returncode == 0 and good.stdout.strip() == "192.0", good.stderr[-2000:]
 

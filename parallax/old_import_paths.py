@@ -52,6 +52,11 @@ MOVED = {
     "parallax.analysis.setting": "parallax.planner.setting",
     "parallax.pipeline.runtime.executed": "parallax.analysis.executed",
     "parallax.pipeline.schedules.rules": "parallax.pipeline.schedules.dependencies",
+    # round 4: prefix families became folders
+    "parallax.strategies.context": "parallax.strategies.context_parallel.strategy",
+    "parallax.strategies.context_groups": "parallax.strategies.context_parallel.stage_groups",
+    "parallax.strategies.context_ring": "parallax.strategies.context_parallel.ring",
+    "parallax.strategies.context_zigzag": "parallax.strategies.context_parallel.zigzag",
 }
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallax.strategies.context_groups import StageGroups
+from parallax.strategies.context_parallel.stage_groups import StageGroups
 
 
 def chunks(n: int) -> np.ndarray:

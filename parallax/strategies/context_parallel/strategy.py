@@ -49,7 +49,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from parallax.comm import nesting
 from parallax.mesh import describe
-from parallax.strategies import context_groups, context_ring, context_zigzag
+from parallax.strategies.context_parallel import ring as context_ring
+from parallax.strategies.context_parallel import stage_groups as context_groups
+from parallax.strategies.context_parallel import zigzag as context_zigzag
 from parallax.strategy import Strategy
 
 METHODS = ("ring", "all_gather")

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallax.comm.p2p import ring_perm
-from parallax.strategies.context_groups import StageGroups, permute
+from parallax.strategies.context_parallel.stage_groups import StageGroups, permute
 
 F32 = jnp.float32
 

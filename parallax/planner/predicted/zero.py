@@ -27,7 +27,7 @@ References:
 
 from __future__ import annotations
 
-API = "parallax.planner.zero_memory"
+API = "parallax.planner.predicted.zero"
 
 
 def _check(num_params, stage, shards, fn: str, **sizes) -> None:

@@ -1,4 +1,4 @@
-"""Predicted collectives, flops and bubble of a training step, from the published formulas.
+"""Predicted collectives of a training step, from the published formulas.
 
 Collectives are keyed like the measured ones, ``(kind, mesh axes)``, with message bytes per
 step (nccl-tests' size ``S``: an all-gather's result, a reduce-scatter's input). ``Ψ`` below
@@ -16,12 +16,12 @@ Megatron (``t`` ways)        ``parallax.analysis.tensor_traffic.megatron_traffic
                              tensor axis (``(4L + 2)`` all-reduces of ``[B, T, D]``; with SP
                              all-gather / reduce-scatter pairs); on average over a pipeline's
                              stages, its ``L / p`` layers, plus the forwards recomputed
-context (``n`` ways)         :mod:`parallax.planner.predicted_context`: the ring's
+context (``n`` ways)         :mod:`parallax.planner.predicted.context_parallel`: the ring's
                              ``3n - 2`` collective-permutes of K/V per layer, or the
                              all-gather's K/V gathers and dK/dV reduce-scatter; GSPMD's
                              all-reduce of ``Ψ`` over the context axis; Megatron's and
                              the activations' ``T`` read as ``T / n``
-expert (``n`` ways)          :mod:`parallax.planner.predicted_expert`: 4 all-to-alls of
+expert (``n`` ways)          :mod:`parallax.planner.predicted.expert_parallel`: 4 all-to-alls of
                              ``G E C D`` per MoE layer; the experts' gradients summed
                              only over the batch axes that replicate them
 pipeline (``p`` stages)      each tick's payload, a micro-batch's ``[b, T, D]``, to both
@@ -33,12 +33,12 @@ pipeline (``p`` stages)      each tick's payload, a micro-batch's ``[b, T, D]``,
 
 The CPU compiler does not form reduce-scatters from GSPMD's all-reduce + slice (see
 JAX_NOTES.md), so on CPU the reduce-scatters that GSPMD would make (sequence parallelism)
-are predicted as all-reduces of the same bytes. FLOPs are ``flops_per_token`` (PaLM's
-``6 N + 12 L T D``) per device, plus the recomputed forwards. The bubble is the schedule's.
+are predicted as all-reduces of the same bytes. A step's FLOPs, bytes through memory and
+bubble are :mod:`parallax.planner.predicted.compute`'s.
 
 References:
   Rajbhandari et al., "ZeRO", SC 2020; Shoeybi et al., "Megatron-LM", 2019; Korthikanti et
-  al. 2022; Narayanan et al., SC 2021; Chowdhery et al., "PaLM", 2022, appendix B.
+  al. 2022; Narayanan et al., SC 2021.
 """
 
 from __future__ import annotations
@@ -47,22 +47,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from parallax.planner.predicted_memory import (Estimate, activation_bytes, local_param_bytes,
-                                               microbatch_rows, state_bytes)
-from parallax.planner import predicted_context, predicted_expert
+from parallax.planner.predicted.memory import local_param_bytes, microbatch_rows
+from parallax.planner.predicted import context_parallel, expert_parallel
 from parallax.planner.setting import StepSetting
 from parallax.analysis.tensor_traffic import megatron_traffic
 from parallax.comm import cost
 from parallax.mesh import AXIS_ORDER
-from parallax.models.gpt_config import flops_per_token, param_count
-from parallax.models.llama_config import LlamaConfig, llama_flops_per_token, llama_param_count
-
-
-def _arithmetic(config):
-    """(param_count, flops_per_token) of the model's family."""
-    if isinstance(config, LlamaConfig):
-        return llama_param_count, llama_flops_per_token
-    return param_count, flops_per_token
+from parallax.old_import_paths import renamed_names
 
 
 @dataclasses.dataclass
@@ -110,21 +101,21 @@ def collectives(s: StepSetting, context_attention: bool = True
     _tensor_parallel(s, add)
     _pipeline(s, add)
     if context_attention:
-        predicted_context.attention_messages(s, add)
-    predicted_context.gradient_sum(s, add)
-    predicted_expert.exchange_messages(s, add)
+        context_parallel.attention_messages(s, add)
+    context_parallel.gradient_sum(s, add)
+    expert_parallel.exchange_messages(s, add)
     return {key: t for key, t in out.items() if t.message_bytes > 0}
 
 
 def context_attention_collectives(s: StepSetting) -> dict[tuple, PredictedCollective]:
     """Context parallelism's own messages (its attention and the zigzag's way back), keyed
-    like :func:`collectives` (:mod:`parallax.planner.predicted_context`)."""
+    like :func:`collectives` (:mod:`parallax.planner.predicted.context_parallel`)."""
     out: dict[tuple, PredictedCollective] = {}
 
     def add(kind, axes, nbytes, count, how):
         out.setdefault((kind, _ordered(axes)), PredictedCollective()).add(nbytes, count, how)
 
-    predicted_context.attention_messages(s, add)
+    context_parallel.attention_messages(s, add)
     return out
 
 
@@ -158,7 +149,7 @@ def _data_parallel(s: StepSetting, add) -> None:
     for leaf in (x for x in s.leaves if x.role == "param"):
         psi = leaf.nbytes / leaf.rule_ways
         if leaf.expert:  # split over the expert axis: summed over the other batch axes
-            _gradient_sum(s, add, predicted_expert.sum_axes(s, leaf), psi,
+            _gradient_sum(s, add, expert_parallel.sum_axes(s, leaf), psi,
                           "experts: all-reduce Ψ_e / EP over the batch axes that replicate them")
             continue
         if not (stage and leaf.zero_split):  # ZeRO keeps a leaf with no divisible dim whole
@@ -242,79 +233,4 @@ def _pipeline(s: StepSetting, add) -> None:
             f"interleaved: {moves} block moves to the stages that run them, and back")
 
 
-def flops(s: StepSetting) -> Estimate | None:
-    """Matmul flops per device per step for a GPT or Llama (None for other models).
-
-    Example:
-      >>> import jax, jax.numpy as jnp, optax, parallax as px
-      >>> from flax import nnx
-      >>> from parallax.planner.setting import read_setting
-      >>> config = px.models.GPTConfig.tiny()
-      >>> state = jax.eval_shape(lambda: px.TrainState.create(
-      ...     px.models.GPT(config, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
-      >>> tokens = jax.ShapeDtypeStruct((8, 65), jnp.int32)
-      >>> s = read_setting(px.make_mesh(data=8), px.DataParallel("data"), state,
-      ...                  {"tokens": tokens})
-      >>> flops(s).value == px.models.flops_per_token(config) * 64   # 1 row of 64 tokens
-      True
-    """
-    c = s.config
-    if c is None or s.seq_len is None:
-        return None
-    tokens = s.batch_rows * s.seq_len
-    ways = s.size(s.batch_axes) * s.tensor * s.stages * s.context
-    count, per_token = _arithmetic(c)
-    total = per_token(c, s.seq_len) * tokens
-    how = "(6 N + 12 L T D) x tokens / devices" + (
-        f" (N active: top-{c.moe.top_k} of {c.moe.num_experts} experts"
-        + (" + the shared expert" if c.moe.shared_mlp_dim else "") + ")"
-        if getattr(c, "moe", None) is not None else "")
-    p = s.pipeline
-    if p is not None and p.remat_fraction:
-        block = (count(dataclasses.replace(c, num_layers=2))
-                 - count(dataclasses.replace(c, num_layers=1)))
-        forward = (2 * block + 4 * s.seq_len * c.embed_dim) * c.num_layers * tokens
-        total += p.remat_fraction * forward
-        how += " + recomputed forwards"
-    return Estimate(total / ways, how)
-
-
-def bubble(s: StepSetting) -> Estimate | None:
-    """The pipeline schedule's bubble fraction (the papers' measure at F = B = W = 1), or None.
-
-    Idle time over every stage's makespan (``Schedule.bubble_fraction``); at equal costs it
-    is also what parallax's lock-step runtime pays.
-
-    Example:
-      >>> import jax.numpy as jnp, parallax as px
-      >>> from parallax.planner.setting import read_setting
-      >>> none = read_setting(px.make_mesh(data=8), px.DataParallel("data"),
-      ...                     {"w": jnp.ones(8)}, {"x": jnp.ones((8, 2))})
-      >>> bubble(none) is None
-      True
-    """
-    if s.pipeline is None:
-        return None
-    sched = s.pipeline.schedule
-    return Estimate(sched.bubble_fraction(), f"{sched.name}: idle / makespan at F = B = W "
-                    f"({sched.ticks} ticks)")
-
-
-def hbm_bytes(s: StepSetting, activations: float | None = None) -> Estimate:
-    """Bytes one device moves through its memory per step (the roofline's memory term).
-
-    The forward and backward read the parameters as used (``Ψ``, gathered under ZeRO 3)
-    and write and read the activations ``A``; the backward writes the local gradients
-    ``Ψ``, the sync reads them; the optimizer reads the sharded gradients ``G_s``, reads and
-    writes its parameters ``P_s`` and moments ``O_s``:
-    ``2 Ψ + 2 A + 2 Ψ + 2 P_s + G_s + 2 O_s``. ``activations`` replaces the GPT formula's
-    ``A`` (for other models).
-    """
-    state = state_bytes(s)
-    if activations is None:
-        act = activation_bytes(s)
-        activations = act.value if act else 0.0
-    psi = local_param_bytes(s)
-    moved = (4 * psi + 2 * activations + 2 * state["parameters"].value
-             + state["gradients"].value + 2 * state["optimizer state"].value)
-    return Estimate(moved, "2 Ψ + 2 A + 2 Ψ + 2 P_s + G_s + 2 O_s")
+__getattr__ = renamed_names(__name__, globals())  # flops, bubble, hbm_bytes: now compute's

@@ -39,7 +39,7 @@ from flax import nnx
 from parallax.pipeline.runtime.chunk import template
 from parallax.pipeline.runtime.lowering import lower_schedule
 from parallax.pipeline.stages import Stages, program
-from parallax.planner.predicted_memory import Estimate, local_param_bytes
+from parallax.planner.predicted.memory import Estimate, local_param_bytes
 from parallax.planner.setting import StepSetting
 
 
@@ -149,7 +149,7 @@ def temporaries(s: StepSetting, slots: LayerSlots) -> tuple[Estimate, dict[str, 
       slots: :func:`layer_slots` of it.
 
     Returns:
-      ``(estimate, parts)``: a :class:`parallax.planner.predicted_memory.Estimate` and the
+      ``(estimate, parts)``: a :class:`parallax.planner.predicted.memory.Estimate` and the
       :func:`buffers` by name.
 
     Example:

@@ -18,7 +18,7 @@ Each value is an :class:`Estimate` (bytes and the formula in words), computed fr
   micro-batches for its ``L / p`` layers (only each one's input when it is
   rematerialised, plus the one being computed). Under context parallelism every term is
   taken at ``T / n`` positions and the scores are not kept
-  (:mod:`parallax.planner.predicted_context`).
+  (:mod:`parallax.planner.predicted.context_parallel`).
 - **temporaries**: activations, the unsynchronised gradients, and under ZeRO 3 in the
   explicit style the gathered parameters (held for the whole step, see docs/design.md).
 
@@ -34,7 +34,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from parallax.planner import predicted_context
+from parallax.planner.predicted import context_parallel
 from parallax.planner.setting import StepSetting
 
 _ZERO_FROM = {"param": 3, "grad": 2, "opt": 1}
@@ -110,7 +110,7 @@ def activation_bytes(s: StepSetting) -> Estimate | None:
     head = 4 * seq * b * c.padded_vocab_size / t + e * seq * b * h
     how = "L (s b h (2/σ + 2 + 4/t) + 2 s b F/t + a s² b/t) + s b V/t"
     if s.context_axis is not None:  # pipelines with context parallelism are refused
-        return Estimate(*predicted_context.activation_bytes(s, rest, head))
+        return Estimate(*context_parallel.activation_bytes(s, rest, head))
     if s.pipeline is None:
         return Estimate(c.num_layers * per_layer + head, how)
     p = s.pipeline
@@ -136,6 +136,6 @@ def temporary_bytes(s: StepSetting) -> Estimate | None:
     how = "activations + local gradients" + (" + gathered parameters" if gathered else "")
     working = 0.0
     if s.context_axis is not None:
-        working, what = predicted_context.working_set_bytes(s)
+        working, what = context_parallel.working_set_bytes(s)
         how += f" + {what}"
     return Estimate(act.value + grads + gathered + working, how)

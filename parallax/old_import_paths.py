@@ -38,7 +38,7 @@ MOVED = {
     "parallax.demo": "parallax.cli.demo",
     "parallax.finite": "parallax.step.finite_check",
     "parallax.guards": "parallax.step.boundary_checks",
-    "parallax.lazy_names": "parallax.ps.lazy_names",
+    "parallax.lazy_names": "parallax.ray_cluster.lazy_names",
     "parallax.local_loss": "parallax.grad.slice_loss",
     "parallax.local_shards": "parallax.grad.local_shards",
     "parallax.microbatch": "parallax.grad.microbatches",
@@ -71,6 +71,9 @@ MOVED = {
     "parallax.planner.predicted_memory": "parallax.planner.predicted.memory",
     "parallax.planner.predicted_traffic": "parallax.planner.predicted.traffic",
     "parallax.planner.zero_memory": "parallax.planner.predicted.zero",
+    # round 4: Ray's start-up and lazy names, shared by ps, rpc and tf, left ps
+    "parallax.ps.cluster": "parallax.ray_cluster.connect",
+    "parallax.ps.lazy_names": "parallax.ray_cluster.lazy_names",
 }
 
 

@@ -38,7 +38,7 @@ from parallax.tf.values import VariableAggregation as VariableAggregation
 # The parameter-server strategy and its coordinator. They run on Ray, an optional
 # extra (parallax[ps]): the partitioners load here, the Ray-backed names on first use, so that
 # `import parallax.tf` (and the mirrored strategies) never imports ray.
-from parallax.ps.lazy_names import loader as _loader  # noqa: E402
+from parallax.ray_cluster.lazy_names import loader as _loader  # noqa: E402
 from parallax.tf.cluster_resolver import RayClusterResolver as RayClusterResolver  # noqa: E402
 from parallax.tf.partitioners import FixedShardsPartitioner as FixedShardsPartitioner  # noqa: E402
 from parallax.tf.partitioners import MaxSizePartitioner as MaxSizePartitioner  # noqa: E402

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from parallax.ps import ASSIGN, KVStore, OptaxHandle
-from parallax.ps.cluster import init_cluster
+from parallax.ray_cluster.connect import init_cluster
 from parallax.tf.cluster_resolver import RayClusterResolver
 from parallax.tf.key_layout import Shard
 from parallax.tf.partitioners import shard_rows

@@ -1,6 +1,6 @@
 """Names a package loads on first use (PEP 562), so importing it never imports an optional
-engine: ``parallax.ps`` and ``parallax.tf`` keep their Ray-backed names here, and
-``import parallax`` never imports ray."""
+engine: ``parallax.ps``, ``parallax.rpc`` and ``parallax.tf`` keep their Ray-backed names
+here, and ``import parallax`` never imports ray."""
 
 from __future__ import annotations
 

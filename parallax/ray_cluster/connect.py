@@ -1,9 +1,10 @@
 """Starting or joining the Ray cluster that runs servers and workers, on loopback by default.
 
-PS-Lite's *scheduler* node (which registers servers and workers and hands out their
-addresses) is Ray's head: the GCS keeps the actors' addresses, the raylet starts their
-processes. ``init_cluster()`` starts a one-machine cluster bound to 127.0.0.1;
-``init_cluster(address)`` joins an existing one.
+``parallax.ps``'s servers and workers, ``parallax.rpc``'s workers and ``parallax.tf``'s
+parameter-server strategy all start here. PS-Lite's *scheduler* node (which registers servers
+and workers and hands out their addresses) is Ray's head: the GCS keeps the actors'
+addresses, the raylet starts their processes. ``init_cluster()`` starts a one-machine
+cluster bound to 127.0.0.1; ``init_cluster(address)`` joins an existing one.
 
 Safety: a Ray cluster executes the pickled functions and objects its members send it. Keep
 it on a trusted network (the local default never leaves the machine); parallax never reads

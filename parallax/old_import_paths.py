@@ -74,6 +74,31 @@ MOVED = {
     # round 4: Ray's start-up and lazy names, shared by ps, rpc and tf, left ps
     "parallax.ps.cluster": "parallax.ray_cluster.connect",
     "parallax.ps.lazy_names": "parallax.ray_cluster.lazy_names",
+    # round 4: tf.distribute's families in folders (parallax.tf.mirrored and
+    # parallax.tf.parameter_server are now their folders, re-exporting the strategy)
+    "parallax.tf.auto_shard": "parallax.tf.input.auto_shard",
+    "parallax.tf.cluster_resolver": "parallax.tf.parameter_server.cluster_resolver",
+    "parallax.tf.coordinator": "parallax.tf.parameter_server.coordinator",
+    "parallax.tf.cross_device_ops": "parallax.tf.mirrored.cross_device_ops",
+    "parallax.tf.distributed_input": "parallax.tf.input.distributed",
+    "parallax.tf.embedding": "parallax.tf.parameter_server.embedding",
+    "parallax.tf.extended": "parallax.tf.mirrored.extended",
+    "parallax.tf.input_options": "parallax.tf.input.options",
+    "parallax.tf.key_layout": "parallax.tf.parameter_server.key_layout",
+    "parallax.tf.mirrored_check": "parallax.tf.mirrored.divergence",
+    "parallax.tf.multi_worker": "parallax.tf.mirrored.multi_worker",
+    "parallax.tf.one_device": "parallax.tf.mirrored.one_device",
+    "parallax.tf.partial_batches": "parallax.tf.input.partial_batches",
+    "parallax.tf.partitioners": "parallax.tf.parameter_server.partitioners",
+    "parallax.tf.ps_variable": "parallax.tf.parameter_server.variable",
+    "parallax.tf.remote_value": "parallax.tf.parameter_server.remote_value",
+    "parallax.tf.replica_program": "parallax.tf.mirrored.replica_program",
+    "parallax.tf.server_model": "parallax.tf.parameter_server.server_model",
+    "parallax.tf.sharded_dataset": "parallax.tf.input.dataset",
+    "parallax.tf.sharded_variable": "parallax.tf.parameter_server.sharded_variable",
+    "parallax.tf.tf_config_resolver": "parallax.tf.parameter_server.tf_config_resolver",
+    "parallax.tf.worker_actor": "parallax.tf.parameter_server.worker_actor",
+    "parallax.tf.worker_input": "parallax.tf.input.workers",
 }
 
 

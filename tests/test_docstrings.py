@@ -16,9 +16,7 @@ MODULES = sorted(
 
 # Modules whose examples start Ray actors: they run in the session's one Ray cluster, on the
 # xdist worker that runs the other Ray tests.
-RAY = ("parallax.ps.", "parallax.rpc.", "parallax.ray_cluster.", "parallax.tf.parameter_server",
-       "parallax.tf.coordinator",
-       "parallax.tf.sharded_variable", "parallax.tf.server_model", "parallax.tf.embedding")
+RAY = ("parallax.ps.", "parallax.rpc.", "parallax.ray_cluster.", "parallax.tf.parameter_server")
 PARAMS = [pytest.param(m, marks=pytest.mark.xdist_group("ray")) if m.startswith(RAY) else m
           for m in MODULES]
 

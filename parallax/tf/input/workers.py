@@ -1,6 +1,6 @@
 """Feeding the replicas of several workers from an auto-sharded :class:`~parallax.tf.Dataset`.
 
-Two shapes of input, after :mod:`parallax.tf.auto_shard`'s policies:
+Two shapes of input, after :mod:`parallax.tf.input.auto_shard`'s policies:
 
 * **DATA**: every worker reads the same global batches. Each global batch of ``p`` rows is
   cut into ``N`` mini-batches by TF's legacy rebatch (``ceil(p / N)`` rows each) and replica
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from parallax.tf import auto_shard, partial_batches
+from parallax.tf.input import auto_shard, partial_batches
 
 
 def workers_of(strategy) -> tuple[int, int]:

@@ -38,7 +38,7 @@ def Variable(initial_value, *, name: str | None = None, shape=None):  # noqa: N8
       TensorFlow, ``tf.Variable`` under ``ParameterServerStrategy.scope()``
       (``parameter_server_strategy_v2.py``: ``_create_variable``, round-robin placement).
     """
-    from parallax.tf.parameter_server import ParameterServerStrategy
+    from parallax.tf.parameter_server.strategy import ParameterServerStrategy
 
     strategy = current_scope()
     if not isinstance(strategy, ParameterServerStrategy):

@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from parallax.tf.cluster_resolver import RayClusterResolver
+from parallax.tf.parameter_server.cluster_resolver import RayClusterResolver
 
 _API = "px.tf.TFConfigClusterResolver"
 _TASK_TYPES = ("chief", "worker", "ps", "evaluator")

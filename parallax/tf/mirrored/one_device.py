@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from parallax.tf.cross_replica import is_distributed
 from parallax.tf.merge_call import MergedValue
-from parallax.tf.mirrored import MirroredStrategy
+from parallax.tf.mirrored.strategy import MirroredStrategy
 from parallax.tf.reduce_op import ReduceOp, as_reduce_op
 from parallax.tf.values import Mirrored, PerReplica
 

@@ -5,7 +5,7 @@ copy of every variable on every device of every worker, and all-reduces gradient
 collective ops across workers. Here each worker is a process of a ``jax.distributed`` job,
 joined by :func:`parallax.distributed.initialize` (which reads ``parallax launch``'s
 environment, torchrun's, or ``TF_CONFIG``: the chief and the workers are the processes), and
-the strategy is :class:`~parallax.tf.mirrored.MirroredStrategy` over *all* the job's devices
+the strategy is :class:`~parallax.tf.mirrored.strategy.MirroredStrategy` over *all* the job's devices
 on a ``(worker, replica)`` mesh: the same ``run`` / ``reduce`` / datasets API, the same one
 compiled program per step, now spanning processes (XLA's collectives: NCCL across hosts on
 GPU, gloo on CPU). Every process runs the same program:
@@ -15,7 +15,7 @@ GPU, gloo on CPU). Every process runs the same program:
 
 Input: ``experimental_distribute_dataset`` expects every worker to iterate the same global
 batches and sends only its own replicas' rows (a plain iterable), or auto-shards a
-:class:`~parallax.tf.Dataset` by its ``AutoShardPolicy`` (:mod:`parallax.tf.auto_shard`);
+:class:`~parallax.tf.Dataset` by its ``AutoShardPolicy`` (:mod:`parallax.tf.input.auto_shard`);
 ``distribute_datasets_from_function`` gives each worker an ``InputContext`` with its
 ``input_pipeline_id`` to shard its files by. ``experimental_local_results`` returns this
 worker's replicas; ``reduce`` and ``gather`` return values every worker can read.
@@ -32,10 +32,10 @@ import dataclasses
 import jax
 
 from parallax import distributed
-from parallax.tf.cross_device_ops import (
+from parallax.tf.mirrored.cross_device_ops import (
     REPLICA_AXIS, CollectiveAllReduce, CrossDeviceOps, NcclAllReduce)
-from parallax.tf.distributed_input import InputContext
-from parallax.tf.mirrored import MirroredStrategy
+from parallax.tf.input.distributed import InputContext
+from parallax.tf.mirrored.strategy import MirroredStrategy
 
 WORKER_AXIS = "worker"
 IMPLEMENTATIONS = ("AUTO", "RING", "NCCL")

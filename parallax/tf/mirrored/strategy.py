@@ -5,7 +5,7 @@ device, runs the replica function on each device in its own thread, and all-redu
 gradients. ``px.tf.MirroredStrategy`` keeps the API and replaces the threads with JAX's
 single-program model: variables created under ``scope()`` are arrays replicated on the
 strategy's mesh; ``run`` traces the replica function once and runs it in one compiled
-``shard_map`` over the replica axes (see :mod:`parallax.tf.replica_program`); values
+``shard_map`` over the replica axes (see :mod:`parallax.tf.mirrored.replica_program`); values
 that differ per replica are :class:`~parallax.tf.values.PerReplica` arrays sharded over
 those axes. ``docs/tf.md`` maps every TensorFlow concept to its counterpart here.
 
@@ -14,7 +14,7 @@ References:
   tf.distribute.Strategy".
 
 (Over 300 lines: TensorFlow's MirroredStrategy is one class with a wide public API; its
-mechanisms live in replica_program, cross_replica and distributed_input.)
+mechanisms live in replica_program, cross_replica and input.distributed.)
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from parallax.tf import cross_replica, mirrored_check, partial_batches, replica_program
-from parallax.tf.cross_device_ops import CollectiveAllReduce, CrossDeviceOps
-from parallax.tf.distributed_input import (
+from parallax.tf import cross_replica
+from parallax.tf.input import partial_batches
+from parallax.tf.mirrored import divergence, replica_program
+from parallax.tf.mirrored.cross_device_ops import CollectiveAllReduce, CrossDeviceOps
+from parallax.tf.input.distributed import (
     DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext)
-from parallax.tf.extended import StrategyExtended
-from parallax.tf.input_options import check_options
+from parallax.tf.mirrored.extended import StrategyExtended
+from parallax.tf.input.options import check_options
 from parallax.tf.replica_context import check_call, cross_replica_scope, current_scope
 from parallax.tf.values import Mirrored, PerReplica
 
@@ -69,7 +71,7 @@ class MirroredStrategy:
     Args:
       devices: the devices (``jax.Device``, ids, or names like ``"gpu:0"``); default:
         every local device.
-      cross_device_ops: how gradients are all-reduced (:mod:`parallax.tf.cross_device_ops`);
+      cross_device_ops: how gradients are all-reduced (:mod:`parallax.tf.mirrored.cross_device_ops`);
         default: ``CollectiveAllReduce()``, XLA's all-reduce, as ``px.DataParallel``.
 
     The strategy is an immutable value: equal devices and cross-device op compare equal.
@@ -212,9 +214,9 @@ class MirroredStrategy:
           TypeError: ``fn`` is not callable, or an argument is not an array, NNX object,
             distributed value or hashable Python value.
           ValueError: an argument belongs to another strategy, the replicas wrote a
-            mirrored variable differently (:mod:`parallax.tf.mirrored_check`), or the batch
+            mirrored variable differently (:mod:`parallax.tf.mirrored.divergence`), or the batch
             is a padded partial batch whose padding the function never masked
-            (:func:`parallax.tf.partial_batches.refuse_unmasked`); the NNX objects
+            (:func:`parallax.tf.input.partial_batches.refuse_unmasked`); the NNX objects
             then keep their values from before the call.
 
         Example:
@@ -244,7 +246,7 @@ class MirroredStrategy:
             sig, per_replica, broadcast, state)
         partial_batches.refuse_unmasked(api, sig.batch_rows, facts.masked)
         if nodes:
-            mirrored_check.raise_if_diverged(api, nodes, replica_program.mirrored_leaves(sig),
+            divergence.raise_if_diverged(api, nodes, replica_program.mirrored_leaves(sig),
                                              flags)
             nnx.update(nodes, jax.tree.unflatten(sig.state_treedef, new_state))
         return outputs
@@ -366,7 +368,7 @@ class MirroredStrategy:
         Args:
           array: ``[sum(rows), ...]``, the same on every process (each sends only its
             replicas' rows).
-          rows: rows per replica (:func:`parallax.tf.partial_batches.split_rows`); default:
+          rows: rows per replica (:func:`parallax.tf.input.partial_batches.split_rows`); default:
             an even split.
 
         Returns:
@@ -395,16 +397,16 @@ class MirroredStrategy:
 
         Args:
           dataset: an iterable of global batches (pytrees of arrays, leading dimension =
-            global batch). Split as TensorFlow splits them (:mod:`parallax.tf.partial_batches`):
+            global batch). Split as TensorFlow splits them (:mod:`parallax.tf.input.partial_batches`):
             a partial last batch, or a global batch that does not divide, gives the replicas
             different numbers of rows, padded for the one program.
             A :class:`~parallax.tf.Dataset` carries its auto-sharding policy
-            (:mod:`parallax.tf.auto_shard`): over several workers it is sharded by it.
-          options: a :class:`~parallax.tf.InputOptions` (:mod:`parallax.tf.input_options`:
+            (:mod:`parallax.tf.input.auto_shard`): over several workers it is sharded by it.
+          options: a :class:`~parallax.tf.InputOptions` (:mod:`parallax.tf.input.options`:
             which values parallax honours), or None.
 
         Returns:
-          A :class:`~parallax.tf.distributed_input.DistributedDataset` yielding pytrees of
+          A :class:`~parallax.tf.input.distributed.DistributedDataset` yielding pytrees of
           ``PerReplica`` values.
 
         Raises:
@@ -425,7 +427,7 @@ class MirroredStrategy:
             ``InputContext(num_replicas, replica_id, num_replicas)``.
 
         Returns:
-          A :class:`~parallax.tf.distributed_input.DistributedDatasetsFromFunction`.
+          A :class:`~parallax.tf.input.distributed.DistributedDatasetsFromFunction`.
 
         Raises:
           NotImplementedError: ``PER_REPLICA`` on ``MultiWorkerMirroredStrategy`` (TF's rule).
@@ -458,7 +460,7 @@ class MirroredStrategy:
 
         Args:
           value_fn: called once per local replica with a
-            :class:`~parallax.tf.distributed_input.ValueContext`; returns arrays of one
+            :class:`~parallax.tf.input.distributed.ValueContext`; returns arrays of one
             shape for every replica.
 
         Returns:

@@ -12,7 +12,7 @@ What crosses into the replicas:
   a partial last batch that TensorFlow splits unevenly arrives padded with zero rows, and
   the replica context knows each replica's real rows (``ReplicaContext.example_mask``,
   used by ``compute_average_loss``); a padded batch that the replica function never masks
-  is refused (:func:`parallax.tf.partial_batches.refuse_unmasked`);
+  is refused (:func:`parallax.tf.input.partial_batches.refuse_unmasked`);
 * arrays, ``Mirrored`` values and NNX objects (modules, optimizers, metrics): replicated,
   each replica sees the whole value. NNX objects are split outside and merged inside the
   traced function, and their new state is written back after the call, as ``nnx.jit``
@@ -27,11 +27,11 @@ reduce-to-one) gives every replica the same sum but JAX types it *varying*, and 
 state written from it must still leave as one replicated value. Aggregating the gradients
 (``ReplicaContext.all_reduce``) is the replica function's job, as in TensorFlow; a mirrored
 variable written differently on the replicas is detected by exact hashes and refused
-(:mod:`parallax.tf.mirrored_check`).
+(:mod:`parallax.tf.mirrored.divergence`).
 
 (A little over 300 lines: the one program behind ``run``, what enters it, what leaves it
 and the static facts its trace records; the partial batches' rules live in
-:mod:`parallax.tf.partial_batches`.)
+:mod:`parallax.tf.input.partial_batches`.)
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Signature:
       state_treedef: structure of their state's arrays.
       aggregations: per state array, its :class:`VariableAggregation`.
       batch_rows: the real rows per replica of a padded partial batch among the
-        ``PerReplica`` inputs (:mod:`parallax.tf.partial_batches`), else ``None``.
+        ``PerReplica`` inputs (:mod:`parallax.tf.input.partial_batches`), else ``None``.
     """
 
     strategy: Any

@@ -20,12 +20,12 @@ from flax import nnx
 
 from parallax.ps import ASSIGN, KVStore, OptaxHandle
 from parallax.ray_cluster.connect import init_cluster
-from parallax.tf.cluster_resolver import RayClusterResolver
-from parallax.tf.key_layout import Shard
-from parallax.tf.partitioners import shard_rows
+from parallax.tf.parameter_server.cluster_resolver import RayClusterResolver
+from parallax.tf.parameter_server.key_layout import Shard
+from parallax.tf.parameter_server.partitioners import shard_rows
 from parallax.tf.replica_context import cross_replica_scope, current_scope
-from parallax.tf.server_model import ServerModel
-from parallax.tf.sharded_variable import ShardedVariable
+from parallax.tf.parameter_server.server_model import ServerModel
+from parallax.tf.parameter_server.sharded_variable import ShardedVariable
 
 
 class ParameterServerStrategy:

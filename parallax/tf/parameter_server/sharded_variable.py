@@ -1,7 +1,7 @@
 """``ShardedVariable``: a variable split along axis 0 into shards living on parameter servers.
 
 The value never exists in one place: each shard's rows are keys on one server (see
-:mod:`parallax.tf.key_layout`). A worker reads the whole variable (``read``), pushes a dense
+:mod:`parallax.tf.parameter_server.key_layout`). A worker reads the whole variable (``read``), pushes a dense
 gradient (``apply_gradient``), or, for an embedding table, pulls only the rows a batch
 touches (``lookup``) and pushes only their gradients (``apply_sparse_gradient``); the
 servers' optimizer updates just those rows.
@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from parallax.ps import ASSIGN, UPDATE
-from parallax.tf.key_layout import KeyLayout, Shard
+from parallax.tf.parameter_server.key_layout import KeyLayout, Shard
 
 
 def _bucket(count: int) -> int:
@@ -66,7 +66,7 @@ class ShardedVariable:
       name: the variable's name.
       shape: its full shape (axis 0 is split).
       dtype: float32 (what the servers store).
-      shards: the :class:`~parallax.tf.key_layout.Shard` list, in row order.
+      shards: the :class:`~parallax.tf.parameter_server.key_layout.Shard` list, in row order.
       slot: None for the variable itself, ``i`` for the optimizer's ``i``-th per-element
         state (read-only).
 

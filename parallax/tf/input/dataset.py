@@ -18,7 +18,7 @@ file), then ``shard`` and ``batch`` steps, then ``with_options``::
 
 Iterating it in one process gives what ``tf.data`` gives (every file, in order, batched);
 ``MultiWorkerMirroredStrategy.experimental_distribute_dataset`` shards it by its policy
-(:mod:`parallax.tf.auto_shard`). Elements are pytrees of arrays; ``batch`` stacks ``n`` of
+(:mod:`parallax.tf.input.auto_shard`). Elements are pytrees of arrays; ``batch`` stacks ``n`` of
 them along a new leading dimension (the last batch shorter unless ``drop_remainder``).
 ``tensorflow`` is not needed (nor imported): a real ``tf.data.Dataset`` is passed as a plain
 iterable (``.as_numpy_iterator()``), with parallax's default split.
@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable, Iterator
 import jax
 import numpy as np
 
-from parallax.tf import auto_shard
-from parallax.tf.auto_shard import SHARD_HINT, AutoShardPolicy
+from parallax.tf.input import auto_shard
+from parallax.tf.input.auto_shard import SHARD_HINT, AutoShardPolicy
 
 
 @dataclasses.dataclass(frozen=True)

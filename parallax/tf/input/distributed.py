@@ -3,7 +3,7 @@
 ``strategy.experimental_distribute_dataset(iterable)`` takes an iterable of *global* batches
 (pytrees of arrays whose leading dimension is the global batch) and yields them as
 ``PerReplica`` values: replica ``i`` holds the next ``b_i`` rows, each row sent straight to
-its device, with TensorFlow's ``b_i`` (:mod:`parallax.tf.partial_batches`): ``G / n`` each
+its device, with TensorFlow's ``b_i`` (:mod:`parallax.tf.input.partial_batches`): ``G / n`` each
 when the global batch ``G`` divides over the ``n`` replicas, else one more row for the first
 ``G % n``; the last, partial batch of a data set fills the replicas in order (the last ones
 get fewer rows or none) and arrives padded with zero rows, the true counts in
@@ -15,8 +15,8 @@ remaining replicas empty, as TensorFlow does.
 Any Python iterable works (a list, a generator function's result, a ``tf.data.Dataset``
 through ``.as_numpy_iterator()``, a Grain loader); it is iterated afresh each epoch. A
 :class:`~parallax.tf.Dataset` carries an auto-sharding policy, applied over several workers
-(:mod:`parallax.tf.auto_shard`, :mod:`parallax.tf.worker_input`); ``InputOptions``
-(:mod:`parallax.tf.input_options`) choose per-replica pipelines and how many steps are split
+(:mod:`parallax.tf.input.auto_shard`, :mod:`parallax.tf.input.workers`); ``InputOptions``
+(:mod:`parallax.tf.input.options`) choose per-replica pipelines and how many steps are split
 ahead.
 
 References:
@@ -36,10 +36,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from parallax.tf import partial_batches, worker_input
-from parallax.tf.auto_shard import AutoShardPolicy
-from parallax.tf.input_options import InputOptions, InputReplicationMode
-from parallax.tf.sharded_dataset import Dataset
+from parallax.tf.input import partial_batches, workers
+from parallax.tf.input.auto_shard import AutoShardPolicy
+from parallax.tf.input.options import InputOptions, InputReplicationMode
+from parallax.tf.input.dataset import Dataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +151,7 @@ class DistributedDataset:
     options: InputOptions | None = None
 
     def __iter__(self) -> Iterator:
-        return worker_input.prefetched(self._batches(), _buffer_size(self.options))
+        return workers.prefetched(self._batches(), _buffer_size(self.options))
 
     def _batches(self) -> Iterator:
         api = "px.tf.MirroredStrategy.experimental_distribute_dataset"
@@ -159,15 +159,15 @@ class DistributedDataset:
         if not isinstance(self.dataset, Dataset):
             yield from self._split(api, self.dataset)
             return
-        num_workers, worker = worker_input.workers_of(self.strategy)
+        num_workers, worker = workers.workers_of(self.strategy)
         policy = self.dataset.policy
         elements = self.dataset.elements_for_worker(api, num_workers, worker)
         if num_workers == 1:
             yield from self._split(api, elements)
         elif policy is AutoShardPolicy.DATA:
-            yield from worker_input.data_sharded(self.strategy, elements, rows_of, api)
+            yield from workers.data_sharded(self.strategy, elements, rows_of, api)
         else:
-            yield from worker_input.per_worker_stream(self.strategy, elements, rows_of,
+            yield from workers.per_worker_stream(self.strategy, elements, rows_of,
                                                       self.dataset.batch_size, api)
 
     def _split(self, api: str, batches: Iterable) -> Iterator:
@@ -223,7 +223,7 @@ class DistributedDatasetsFromFunction:
     options: InputOptions | None = None
 
     def __iter__(self) -> Iterator:
-        return worker_input.prefetched(self._steps(), _buffer_size(self.options))
+        return workers.prefetched(self._steps(), _buffer_size(self.options))
 
     def _steps(self) -> Iterator:
         api = "px.tf.MirroredStrategy.distribute_datasets_from_function"

@@ -21,8 +21,8 @@ rebatches the global batches ``G`` into ``N = W * R`` mini-batches, then
 * ``HINT``: ``dataset.shard(SHARD_HINT, SHARD_HINT)`` placeholders become
   ``shard(W, k)``; nothing else is sharded.
 
-The functions here compute those assignments; :mod:`parallax.tf.sharded_dataset` carries the
-policy on a dataset and :mod:`parallax.tf.worker_input` feeds the replicas by it.
+The functions here compute those assignments; :mod:`parallax.tf.input.dataset` carries the
+policy on a dataset and :mod:`parallax.tf.input.workers` feeds the replicas by it.
 
 References:
   TensorFlow ``tensorflow/python/data/experimental/ops/distribute.py`` (``_AutoShardDataset``,

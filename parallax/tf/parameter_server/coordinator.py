@@ -26,11 +26,11 @@ import jax
 import ray
 
 from parallax.ps import ServerUnavailableError
-from parallax.tf.parameter_server import ParameterServerStrategy
-from parallax.tf.remote_value import FunctionCancelledError, PerWorkerValues, RemoteValue
-from parallax.tf.server_model import ServerModel
-from parallax.tf.sharded_variable import ShardedVariable
-from parallax.tf.worker_actor import WorkerActor
+from parallax.tf.parameter_server.strategy import ParameterServerStrategy
+from parallax.tf.parameter_server.remote_value import FunctionCancelledError, PerWorkerValues, RemoteValue
+from parallax.tf.parameter_server.server_model import ServerModel
+from parallax.tf.parameter_server.sharded_variable import ShardedVariable
+from parallax.tf.parameter_server.worker_actor import WorkerActor
 
 _WORKER_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 0}
 _RESTART_TIMEOUT_S = 300.0

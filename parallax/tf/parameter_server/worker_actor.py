@@ -8,8 +8,8 @@ import os
 import jax
 import ray
 
-from parallax.tf.distributed_input import InputContext
-from parallax.tf.remote_value import PerWorkerValues
+from parallax.tf.input.distributed import InputContext
+from parallax.tf.parameter_server.remote_value import PerWorkerValues
 
 
 class WorkerActor:
@@ -24,7 +24,7 @@ class WorkerActor:
       num_workers: how many workers the job has.
 
     Example:
-      >>> from parallax.tf.remote_value import PerWorkerIterator
+      >>> from parallax.tf.parameter_server.remote_value import PerWorkerIterator
       >>> worker = WorkerActor(0, 1)
       >>> worker.build_datasets({0: lambda: [1, 2]})
       >>> worker.run(lambda it: next(it), (PerWorkerIterator(0),), {})

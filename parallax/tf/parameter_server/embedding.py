@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parallax.tf.sharded_variable import ShardedVariable, SparseRows
+from parallax.tf.parameter_server.sharded_variable import ShardedVariable, SparseRows
 
 
 def embedding_lookup(table: ShardedVariable, ids) -> SparseRows:

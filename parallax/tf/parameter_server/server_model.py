@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 
 from parallax.ps import UPDATE
-from parallax.tf.key_layout import KeyLayout
-from parallax.tf.sharded_variable import ShardedVariable
+from parallax.tf.parameter_server.key_layout import KeyLayout
+from parallax.tf.parameter_server.sharded_variable import ShardedVariable
 
 
 class ServerModel:

@@ -74,6 +74,8 @@ MOVED = {
     # round 4: Ray's start-up and lazy names, shared by ps, rpc and tf, left ps
     "parallax.ps.cluster": "parallax.ray_cluster.connect",
     "parallax.ps.lazy_names": "parallax.ray_cluster.lazy_names",
+    # round 4: one eager path for Horovod's collectives, a process set's or every process's
+    "parallax.horovod.set_programs": "parallax.horovod.eager",
     # round 4: tf.distribute's families in folders (parallax.tf.mirrored and
     # parallax.tf.parameter_server are now their folders, re-exporting the strategy)
     "parallax.tf.auto_shard": "parallax.tf.input.auto_shard",

@@ -8,6 +8,10 @@ their loop counts: :mod:`parallax.analysis.program`). The estimated step time is
 (:mod:`parallax.planner.roofline`) with the links of ``parallax.comm.cost``. Each row shows
 both values and their ratio, and is flagged when they differ by more than 10%, with the
 reason when it is known. See ``docs/explain.md``.
+
+(Over 300 lines: one report, whose three groups of rows (memory, collectives, time) read the
+same setting and compiled program and share its reasons; each group is one function here,
+the formulas they print are :mod:`parallax.planner.predicted`'s.)
 """
 
 from __future__ import annotations

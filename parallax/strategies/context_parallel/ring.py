@@ -1,7 +1,7 @@
 """Ring attention: K/V blocks go round the context axis while queries stay put.
 
 Called inside a ``shard_map`` over the context axis, on each device's part of the sequence
-in the zigzag order (:mod:`parallax.strategies.context_zigzag`): device ``i`` of ``n`` holds
+in the zigzag order (:mod:`parallax.strategies.context_parallel.zigzag`): device ``i`` of ``n`` holds
 chunks ``i`` and ``2n-1-i`` of ``2n``, i.e. ``2c`` positions with ``c = T / 2n``. At step
 ``s`` the device holds the keys and values of device ``j = (i - s) mod n`` and folds their
 scores into its queries' output with the online softmax (a running max ``m``, sum ``l``
@@ -104,7 +104,7 @@ def diagonal_mask(c: int) -> jax.Array:
 
 def _shift(x, axis, n, groups):
     """Device ``i``'s ``x`` to device ``i + 1`` round the axis (within its stage under a
-    pipeline: :mod:`parallax.strategies.context_groups`)."""
+    pipeline: :mod:`parallax.strategies.context_parallel.stage_groups`)."""
     return permute(x, axis, n, ring_perm(n, 1), groups)
 
 

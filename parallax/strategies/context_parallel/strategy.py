@@ -11,12 +11,12 @@ runs one of
 
 - ``"ring"``: K/V blocks passed round the axis with ``ppermute`` while each device
   accumulates its queries' output with the online softmax
-  (:mod:`parallax.strategies.context_ring`; Liu et al. 2023);
+  (:mod:`parallax.strategies.context_parallel.ring`; Liu et al. 2023);
 - ``"all_gather"``: K and V all-gathered over the axis at each layer and the local queries
   attend to all of them (Llama 3's choice, Dubey et al. 2024, section 3.3.2); the backward
   reduce-scatters their gradients.
 
-The sequence is held in the zigzag order (:mod:`parallax.strategies.context_zigzag`) so
+The sequence is held in the zigzag order (:mod:`parallax.strategies.context_parallel.zigzag`) so
 causal attention costs every device the same; a model reads its positions from
 :func:`parallax.attention.sequence_positions` and returns to natural order with
 :func:`parallax.attention.natural_order` before its output projection (the GPT does).
@@ -26,7 +26,7 @@ the context devices of its own stage: the pipeline's ``shard_map`` is manual ove
 stage axis, attention's is nested in it over ``axis``, and since the stages run different
 actions at a tick, the ring's and the zigzag's point-to-point messages go as all-to-alls
 over ``axis`` (one replica group per stage) instead of ``ppermute`` s
-(:mod:`parallax.strategies.context_groups` says why and what it costs). Tested with GPipe,
+(:mod:`parallax.strategies.context_parallel.stage_groups` says why and what it costs). Tested with GPipe,
 1F1B and ZB-H1 and both methods (``tests/test_context_pipeline.py``; interleaved 1F1B and
 ZB-V were checked once, outside the suite: ``docs/context_parallel.md``). Under a pipeline the
 parameters' gradients are summed over ``axis`` by each backward (once per micro-batch),

@@ -1,13 +1,13 @@
 """``px.explain``: what a train step will hold, send, compute and cost, predicted and measured.
 
 The prediction comes from the published formulas (ZeRO's memory, Megatron's traffic, the
-pipeline schedule's bubble and peak in flight: :mod:`parallax.planner.predicted`) applied to the step's mesh, strategy,
-state and batch; the measurement from the compiled program (the shardings XLA gave every
-argument, ``memory_analysis()``, the collectives and matmuls of the partitioned HLO with
-their loop counts: :mod:`parallax.analysis.program`). The estimated step time is a roofline
-(:mod:`parallax.planner.roofline`) with the links of ``parallax.comm.cost``. Each row shows
-both values and their ratio, and is flagged when they differ by more than 10%, with the
-reason when it is known. See ``docs/explain.md``.
+pipeline schedule's bubble and peak in flight: :mod:`parallax.planner.predicted`) applied to
+the step's mesh, strategy, state and batch; the measurement from the compiled program (the
+shardings XLA gave every argument, ``memory_analysis()``, the collectives and matmuls of the
+partitioned HLO with their loop counts: :mod:`parallax.analysis.program`). The estimated
+step time is a roofline (:mod:`parallax.planner.roofline`) with the links of
+``parallax.comm.cost``. Each row shows both values and their ratio, and is flagged when they
+differ by more than 10%, with the reason when it is known. See ``docs/explain.md``.
 
 (Over 300 lines: one report, whose three groups of rows (memory, collectives, time) read the
 same setting and compiled program and share its reasons; each group is one function here,

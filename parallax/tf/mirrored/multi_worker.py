@@ -5,7 +5,7 @@ copy of every variable on every device of every worker, and all-reduces gradient
 collective ops across workers. Here each worker is a process of a ``jax.distributed`` job,
 joined by :func:`parallax.distributed.initialize` (which reads ``parallax launch``'s
 environment, torchrun's, or ``TF_CONFIG``: the chief and the workers are the processes), and
-the strategy is :class:`~parallax.tf.mirrored.strategy.MirroredStrategy` over *all* the job's devices
+the strategy is :class:`~parallax.tf.MirroredStrategy` over *all* the job's devices
 on a ``(worker, replica)`` mesh: the same ``run`` / ``reduce`` / datasets API, the same one
 compiled program per step, now spanning processes (XLA's collectives: NCCL across hosts on
 GPU, gloo on CPU). Every process runs the same program:

@@ -71,8 +71,9 @@ class MirroredStrategy:
     Args:
       devices: the devices (``jax.Device``, ids, or names like ``"gpu:0"``); default:
         every local device.
-      cross_device_ops: how gradients are all-reduced (:mod:`parallax.tf.mirrored.cross_device_ops`);
-        default: ``CollectiveAllReduce()``, XLA's all-reduce, as ``px.DataParallel``.
+      cross_device_ops: how gradients are all-reduced
+        (:mod:`parallax.tf.mirrored.cross_device_ops`); default: ``CollectiveAllReduce()``,
+        XLA's all-reduce, as ``px.DataParallel``.
 
     The strategy is an immutable value: equal devices and cross-device op compare equal.
 
@@ -397,9 +398,10 @@ class MirroredStrategy:
 
         Args:
           dataset: an iterable of global batches (pytrees of arrays, leading dimension =
-            global batch). Split as TensorFlow splits them (:mod:`parallax.tf.input.partial_batches`):
-            a partial last batch, or a global batch that does not divide, gives the replicas
-            different numbers of rows, padded for the one program.
+            global batch). Split as TensorFlow splits them
+            (:mod:`parallax.tf.input.partial_batches`): a partial last batch, or a global
+            batch that does not divide, gives the replicas different numbers of rows, padded
+            for the one program.
             A :class:`~parallax.tf.Dataset` carries its auto-sharding policy
             (:mod:`parallax.tf.input.auto_shard`): over several workers it is sharded by it.
           options: a :class:`~parallax.tf.InputOptions` (:mod:`parallax.tf.input.options`:

@@ -27,7 +27,8 @@ import ray
 
 from parallax.ps import ServerUnavailableError
 from parallax.tf.parameter_server.strategy import ParameterServerStrategy
-from parallax.tf.parameter_server.remote_value import FunctionCancelledError, PerWorkerValues, RemoteValue
+from parallax.tf.parameter_server.remote_value import (FunctionCancelledError, PerWorkerValues,
+                                                       RemoteValue)
 from parallax.tf.parameter_server.server_model import ServerModel
 from parallax.tf.parameter_server.sharded_variable import ShardedVariable
 from parallax.tf.parameter_server.worker_actor import WorkerActor

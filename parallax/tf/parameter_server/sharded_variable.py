@@ -1,10 +1,10 @@
 """``ShardedVariable``: a variable split along axis 0 into shards living on parameter servers.
 
 The value never exists in one place: each shard's rows are keys on one server (see
-:mod:`parallax.tf.parameter_server.key_layout`). A worker reads the whole variable (``read``), pushes a dense
-gradient (``apply_gradient``), or, for an embedding table, pulls only the rows a batch
-touches (``lookup``) and pushes only their gradients (``apply_sparse_gradient``); the
-servers' optimizer updates just those rows.
+:mod:`parallax.tf.parameter_server.key_layout`). A worker reads the whole variable
+(``read``), pushes a dense gradient (``apply_gradient``), or, for an embedding table, pulls
+only the rows a batch touches (``lookup``) and pushes only their gradients
+(``apply_sparse_gradient``); the servers' optimizer updates just those rows.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ def test_the_reader_sees_the_package():
                          ids=lambda p: str(p.relative_to(ROOT.parent)))
 def test_a_module_over_300_lines_says_why(path):
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    assert f"{LIMIT} lines" in " ".join(doc.split()), (
+    says_why = f"{LIMIT} lines" in " ".join(doc.split())  # the phrase may wrap a line
+    assert says_why, (
         f"{path.relative_to(ROOT.parent)} has {line_count(path)} lines: split it where it holds "
         f"two ideas, or say in its module docstring why it is one, as "
         f"\"(Over {LIMIT} lines: ...)\"")

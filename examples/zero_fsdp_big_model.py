@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import parallax as px
-    from parallax.planner import predicted_memory, setting
+    from parallax.planner import setting
+    from parallax.planner.predicted import memory as predicted_memory
     from parallax.cli.demo import batches, demo_tokens
 
     device = jax.devices()[0]

@@ -189,8 +189,8 @@ def whole_labels(labels: jax.Array) -> jax.Array:
     A loss that shifts its labels (``tokens[:, 1:]``) next to logits split by sequence gets,
     from GSPMD, a halo ``collective-permute`` of a few ids over the context axis. Inside a
     pipeline stage that permute spans every stage while one stage runs its action alone, so
-    it would wait forever (:mod:`parallax.strategies.context_groups`); whole ids slice
-    locally.
+    it would wait forever (:mod:`parallax.strategies.context_parallel.stage_groups`); whole
+    ids slice locally.
 
     Example:
       >>> whole_labels(jnp.arange(6).reshape(2, 3)).tolist()

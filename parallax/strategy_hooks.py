@@ -54,7 +54,7 @@ class StateSharding(Protocol):
 class SequenceSplit(Protocol):
     """How context parallelism splits a sequence's attention over one mesh axis.
 
-    ``parallax.strategies.context.ContextSplit`` implements it; ``parallax.attention``
+    ``parallax.strategies.context_parallel.ContextSplit`` implements it; ``parallax.attention``
     calls it while a step is traced (outside a step nothing calls it).
     """
 

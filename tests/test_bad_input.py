@@ -21,7 +21,7 @@ from flax import nnx
 import parallax as px
 import parallax.horovod as hvd
 from parallax import comm
-from parallax.planner import zero_memory
+from parallax.planner.predicted import zero as zero_memory
 from parallax.strategies.tensor_plan import TensorPlan
 
 MESH = px.make_mesh(data=8)

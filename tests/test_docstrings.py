@@ -16,17 +16,18 @@ MODULES = sorted(
 
 # Modules whose examples start Ray actors: they run in the session's one Ray cluster, on the
 # xdist worker that runs the other Ray tests.
-RAY = ("parallax.ps.", "parallax.rpc.", "parallax.tf.parameter_server", "parallax.tf.coordinator",
-       "parallax.tf.sharded_variable", "parallax.tf.server_model", "parallax.tf.embedding")
+RAY = ("parallax.ps.", "parallax.rpc.", "parallax.ray_cluster.", "parallax.tf.parameter_server")
 # Modules whose examples take more than about 2 s of one core (docs/design.md, "Test suite
 # time"): the fast lane (-m "not slow") leaves them out.
 SLOW = {"parallax.horovod.adasum", "parallax.models.gpt", "parallax.nn.layers",
         "parallax.models.llama", "parallax.nn.llama_layers", "parallax.nn.moe",
         "parallax.pipeline.update", "parallax.ps.kvstore", "parallax.ps.simple_app",
-        "parallax.ps.worker", "parallax.ps.workers", "parallax.strategies.context",
-        "parallax.strategies.context_groups", "parallax.strategies.context_ring",
-        "parallax.testing", "parallax.tf.coordinator", "parallax.tf.embedding",
-        "parallax.tf.parameter_server", "parallax.tf.server_model", "parallax.tf.sharded_variable"}
+        "parallax.ps.worker", "parallax.ps.workers", "parallax.strategies.context_parallel.strategy",
+        "parallax.strategies.context_parallel.stage_groups",
+        "parallax.strategies.context_parallel.ring", "parallax.testing",
+        "parallax.tf.parameter_server.coordinator", "parallax.tf.parameter_server.embedding",
+        "parallax.tf.parameter_server.strategy", "parallax.tf.parameter_server.server_model",
+        "parallax.tf.parameter_server.sharded_variable"}
 
 
 def marks(name):

@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).parents[1] / "parallax"
 # Bottom to top: a unit (a top-level module or a subpackage of parallax) imports only units
 # of its own layer or below. Everything under the parallelisms is the core they build on.
 LAYERS = (
-    ("comm", "analysis", "old_import_paths"),  # engines: XLA collectives; compiled programs read
+    ("comm", "analysis", "old_import_paths", "ray_cluster"),  # engines: XLA collectives, Ray;
+                                                              # compiled programs read
     ("mesh", "rules", "strategy_hooks", "strategy", "layout", "state", "context",
      "activations", "attention", "finite_check", "precision", "loss_scale"),  # the nouns
     ("step",),  # around the user's step: init, shard, train_step, the batch

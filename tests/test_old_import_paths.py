@@ -1,4 +1,4 @@
-"""Scripts written against the import paths from before round 3 keep running, warned."""
+"""Scripts written against the import paths from before rounds 3 and 4 keep running, warned."""
 
 import importlib
 import pathlib
@@ -47,7 +47,29 @@ def test_unknown_paths_still_fail():
                                                 for o, n in names.items()])
 def test_a_renamed_public_name_still_answers_with_a_warning(package, old, new):
     module = importlib.import_module(package)
-    with pytest.warns(DeprecationWarning, match=rf"{package}.{old} is now {package}.{new}"):
-        assert getattr(module, old) is getattr(module, new)
+    full = new if "." in new else f"{package}.{new}"  # a dotted name moved to another module
+    where, _, name = full.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=rf"{package}.{old} is now {full} \(the old name "
+                                                rf"will be removed in parallax 0.3\)"):
+        assert getattr(module, old) is getattr(importlib.import_module(where), name)
     with pytest.raises(AttributeError, match=f"module '{package}' has no attribute 'nothing'"):
         getattr(module, "nothing")
+
+
+def test_a_moved_module_still_answers_as_its_package_attribute():
+    import parallax as px
+    from parallax.planner.predicted import zero
+
+    sys.modules.pop("parallax.planner.zero_memory", None)
+    vars(px.planner).pop("zero_memory", None)  # set by an earlier import of the old path
+    with pytest.warns(DeprecationWarning, match="parallax.planner.zero_memory moved to "
+                                                "parallax.planner.predicted.zero"):
+        assert px.planner.zero_memory is zero
+
+
+def test_the_warning_names_the_release_that_removes_the_old_paths():
+    sys.modules.pop("parallax.demo", None)
+    with pytest.warns(DeprecationWarning, match=r"will be removed in parallax 0\.3\)"):
+        importlib.import_module("parallax.demo")
+    assert old_import_paths.REMOVED_IN == "parallax 0.3"
+    assert "parallax 0.3" in old_import_paths.__doc__

@@ -21,6 +21,9 @@ Example:
 References:
   PyTorch torch/distributed/run.py (torchrun's arguments); Horovod horovod/runner/launch.py
   (horovodrun's arguments).
+
+(Over 300 lines: one table of flags in three launchers' spellings and the checks between
+them, kept together so that each flag's meaning and its refusals are in one place.)
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ grace period, and the run ends within seconds, naming the process (not after JAX
 timeout). Each process runs in its own session (its own process group), so signals reach its
 children too and a terminal's Ctrl-C reaches only the launcher, which forwards it. On Linux
 each process also dies with the launcher (``PR_SET_PDEATHSIG``).
+
+(A little over 300 lines: one group's lifecycle, start, relay and stop, whose signal and
+exit handling is only correct read together.)
 """
 
 from __future__ import annotations

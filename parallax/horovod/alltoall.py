@@ -5,7 +5,7 @@ blocks and the true sizes: :mod:`parallax.horovod.uneven`; with a process set, t
 parts picked from one all-gather). Eagerly (process-local values, one device per process)
 the parts travel in one jitted program over the processes' devices, ``splits=`` included;
 with a process set that program spans the set's processes only
-(:mod:`parallax.horovod.set_programs`), so, as in Horovod, only the members call it and a
+(:mod:`parallax.horovod.eager`), so, as in Horovod, only the members call it and a
 non-member's call raises."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jax import lax
 
 from parallax import comm
 from parallax.distributed import local_arrays
-from parallax.horovod import set_programs, uneven
+from parallax.horovod import eager, uneven
 from parallax.horovod import process_sets as sets
 from parallax.horovod.collectives import in_program
 from parallax.horovod.process_sets import global_process_set
@@ -106,14 +106,14 @@ def _eager(api: str, tensor, splits, processes: tuple[int, ...]):
             raise ValueError(f"{api}: splits={sent.tolist()} must be {count} counts >= 0, one "
                              f"per rank{within}, adding up to the first dimension "
                              f"{x.shape[0]}.")
-    where = set_programs.members_mesh(processes)
-    matrix = set_programs.gather_bytes(sent, where)  # [source, destination]
+    where = eager.members_mesh(processes)
+    matrix = eager.gather_bytes(sent, where)  # [source, destination]
     width = max(int(matrix.max()), 1)
     chunks = np.zeros((count, width) + x.shape[1:], x.dtype)
     starts = np.concatenate([[0], np.cumsum(sent)])
     for j in range(count):
         chunks[j, : sent[j]] = x[starts[j]:starts[j + 1]]
-    mine = set_programs.exchange(chunks, where)  # [source, width, ...]
+    mine = eager.exchange(chunks, where)  # [source, width, ...]
     received = np.concatenate([mine[s, : matrix[s, me]] for s in range(count)])
     return local_arrays.like(received, tensor), matrix[:, me].copy()
 

@@ -1,10 +1,31 @@
 """Horovod's collectives on process-local values: one jitted program over the processes' rows.
 
-Each process's value becomes its row of a global ``[processes, ...]`` array
-(:mod:`parallax.distributed.local_arrays`) and one jitted program reduces, gathers or
-selects rows; XLA runs the collective (gloo on CPU, NCCL on GPU). A process's row stands for
-each of its ranks in the reduction (``counts``: how many of the ranks taking part each
-process holds, :mod:`parallax.horovod.process_sets`).
+Each process taking part puts its value in its row of a ``[processes, ...]`` array laid out
+on those processes' devices (axes ``process`` x ``local``), and one jitted program reduces,
+gathers, selects or exchanges rows; XLA runs the collective (gloo on CPU, NCCL on GPU). The
+processes are a :class:`~parallax.horovod.ProcessSet`'s, or every process (the global set:
+the rows of :mod:`parallax.distributed.local_arrays`' process mesh).
+
+A jitted program whose devices belong to some processes is run by those processes alone
+(JAX's multi-controller rule asks every process *holding a device of the program* to run
+it), and XLA's collectives connect only them. So an eager collective over a set's members
+(``alltoall``, ``DistributedOptimizer(process_set=)``) is called by the members only, as
+in Horovod, where a non-member's call is an error. The reductions of ``allreduce`` and
+``broadcast`` span every process instead, a process's row standing for each of its ranks
+taking part (``counts``: how many each process holds, :mod:`parallax.horovod.process_sets`;
+0 outside the set).
+
+Example:
+  >>> import numpy as np
+  >>> gather_bytes(np.arange(3.0))                          # one process: its own row
+  array([[0., 1., 2.]])
+  >>> ones = np.ones(2, np.float32)                          # a row standing for 2 ranks
+  >>> run(program("reduce", ReduceOp.Sum, np.float32, (2,)), ones, out_like=ones)
+  array([2., 2.], dtype=float32)
+
+References:
+  Horovod's process sets (horovod/common/process_sets.py; operations.cc refuses a
+  non-member's call: "Rank ... is not a member of the provided process set").
 """
 
 from __future__ import annotations
@@ -14,22 +35,63 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from parallax.distributed import local_arrays
+from parallax.distributed.local_arrays import LOCAL, PROCESS
 from parallax.horovod.adasum import adasum_stack
 from parallax.horovod.ops import ReduceOp
 
 
+def members_mesh(processes: tuple[int, ...] | None = None) -> Mesh:
+    """The mesh ``process`` x ``local`` over the devices of ``processes`` (in that order);
+    None, or every process in order, is the global set: the process mesh."""
+    if processes is None or processes == tuple(range(jax.process_count())):
+        return local_arrays.process_mesh()
+    return _subset_mesh(processes)
+
+
+def _or_global(mesh: Mesh | None) -> Mesh:
+    return members_mesh() if mesh is None else mesh
+
+
 @functools.cache
-def program(kind: str, *static):
-    """One jitted program per kind and static arguments (jit caches by function identity)."""
+def _subset_mesh(processes: tuple[int, ...]) -> Mesh:
+    by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                  for p in processes]
+    return Mesh(np.array(by_process, dtype=object), (PROCESS, LOCAL),
+                axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def stack(x, mesh: Mesh | None = None) -> jax.Array:
+    """This process's ``x`` as its row of a ``[processes, *x.shape]`` array on ``mesh``
+    (None: every process's)."""
+    sharding = NamedSharding(_or_global(mesh), PartitionSpec(PROCESS))
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x)[None])
+
+
+def jit(fn, mesh: Mesh | None = None):
+    """``fn`` over rows, jitted so that every process of ``mesh`` (None: every process)
+    holds its whole result."""
+    return jax.jit(fn, out_shardings=NamedSharding(_or_global(mesh), PartitionSpec()))
+
+
+@functools.cache
+def program(kind: str, *static, mesh: Mesh | None = None):
+    """One jitted program per kind, static arguments and mesh (jit caches by function
+    identity): ``reduce`` (op, wide dtype, counts), ``pick`` (root row), ``gather``, and
+    ``exchange`` (rows ``[source, destination, ...]`` to ``[destination, source, ...]``,
+    row ``d`` on member ``d``)."""
+    if kind == "exchange":
+        return jax.jit(lambda rows: jnp.swapaxes(rows, 0, 1),
+                       out_shardings=NamedSharding(_or_global(mesh), PartitionSpec(PROCESS)))
     if kind == "reduce":
         fn = functools.partial(reduce_rows, op=static[0], wide=static[1], counts=static[2])
     elif kind == "pick":
         fn = functools.partial(_pick, root=static[0])
     else:
         fn = _gather
-    return jax.jit(fn, out_shardings=local_arrays.replicated())
+    return jit(fn, mesh)
 
 
 def _pick(rows, root: int):
@@ -40,9 +102,10 @@ def _gather(rows):
     return rows
 
 
-def run(prog, value, out_like):
-    """Runs ``prog`` on the processes' rows of ``value``; returns this process's copy."""
-    out = prog(local_arrays.stack(value))
+def run(prog, value, out_like, mesh: Mesh | None = None):
+    """Runs ``prog`` on the rows of ``value`` (on ``mesh``; None: every process's); returns
+    this process's copy, in the kind of ``out_like``."""
+    out = prog(stack(value, mesh))
     return local_arrays.like(local_arrays.local_copy(out), out_like)
 
 
@@ -65,10 +128,21 @@ def reduce_rows(rows, op: ReduceOp, wide, counts: tuple[int, ...]):
         rows, axis=0)
 
 
-def gather_bytes(value: np.ndarray) -> np.ndarray:
-    """Every process's ``value`` (same shape), exactly: ``[processes, *value.shape]``."""
-    every = run(program("gather"), local_arrays.as_bytes(value), out_like=np.zeros(0))
-    return local_arrays.from_bytes(every, value.dtype, (jax.process_count(),) + value.shape)
+def gather_bytes(value, mesh: Mesh | None = None) -> np.ndarray:
+    """Every process's ``value`` (same shape on each; the processes of ``mesh``, None: every
+    one), exactly: ``[processes, *value.shape]``."""
+    value = np.asarray(value)
+    every = run(program("gather", mesh=mesh), local_arrays.as_bytes(value),
+                out_like=np.zeros(0), mesh=mesh)
+    rows = _or_global(mesh).shape[PROCESS]
+    return local_arrays.from_bytes(every, value.dtype, (rows,) + value.shape)
+
+
+def exchange(chunks: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """``chunks[j]`` goes to member ``j`` of ``mesh``; returns ``[members, ...]``, row ``s``
+    from member ``s``."""
+    out = program("exchange", mesh=mesh)(stack(local_arrays.as_bytes(chunks), mesh))
+    return local_arrays.from_bytes(local_arrays.local_copy(out)[0], chunks.dtype, chunks.shape)
 
 
 def reduce_on_host(api: str, sent: np.ndarray, op: ReduceOp, wide,
@@ -81,4 +155,3 @@ def reduce_on_host(api: str, sent: np.ndarray, op: ReduceOp, wide,
     reduce = {ReduceOp.Sum: np.sum, ReduceOp.Average: np.mean, ReduceOp.Min: np.min,
               ReduceOp.Max: np.max, ReduceOp.Product: np.prod}[op]
     return reduce(every, axis=0)
-

@@ -45,7 +45,7 @@ from jax import lax
 from parallax import comm, context
 from parallax.comm import checks
 from parallax.distributed import local_arrays
-from parallax.horovod import gradient_groups, optimizer_sets
+from parallax.horovod import eager, gradient_groups, optimizer_sets
 from parallax.horovod import process_sets as sets
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.collectives import AXIS, eager_reduce
@@ -159,13 +159,12 @@ def _eager_fused_sum(leaves, wire) -> list:
 @functools.cache
 def _adasum_program(copies: int):
     """The jitted Adasum of every process's rows (jit caches by function identity)."""
-    return jax.jit(functools.partial(_adasum_rows, copies=copies),
-                   out_shardings=local_arrays.replicated())
+    return eager.jit(functools.partial(_adasum_rows, copies=copies))
 
 
 def _eager_adasum(leaves):
     """Adasum of every process's rows of ``leaves`` (one program), as this process's arrays."""
-    rows = [local_arrays.stack(np.asarray(g)) for g in leaves]
+    rows = [eager.stack(np.asarray(g)) for g in leaves]
     program = _adasum_program(per_process())
     return [jnp.asarray(local_arrays.local_copy(o)) for o in program(rows)]
 

@@ -11,7 +11,7 @@ from ``synchronize`` when ``not process_set.included()``; horovod/tensorflow/__i
   ranks in one replica group and every other rank alone, so non-members' gradients come
   back as they were (checked in the compiled HLO by tests/horovod/test_optimizer_sets.py);
 - eagerly the members' gradients are summed by one program over the members' processes
-  only (:mod:`parallax.horovod.set_programs`); a process holding none of the set's ranks
+  only (:mod:`parallax.horovod.eager`); a process holding none of the set's ranks
   makes no collective call and gets its gradient back.
 
 Example:
@@ -37,11 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from parallax.comm.bucket import over_buckets
+from parallax.horovod import eager
 from parallax.horovod import process_sets as sets
-from parallax.horovod import set_programs
 from parallax.horovod.ops import ReduceOp
 
 
@@ -76,7 +75,7 @@ def _weighted_sum(mesh, weights: tuple[int, ...], wide: tuple, out: tuple):
     def fn(rows):  # row p counts for the weights[p] ranks of the set its process holds
         return [jnp.sum(r.astype(w) * np.asarray(weights, w).reshape((-1,) + (1,) * (r.ndim - 1)),
                         axis=0).astype(o) for r, w, o in zip(rows, wide, out)]
-    return jax.jit(fn, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return eager.jit(fn, mesh)
 
 
 def eager_sum(leaves: list, ranks: tuple[int, ...], wire) -> list | None:
@@ -86,12 +85,12 @@ def eager_sum(leaves: list, ranks: tuple[int, ...], wire) -> list | None:
     if counts[jax.process_index()] == 0:
         return None
     processes = tuple(p for p, c in enumerate(counts) if c)
-    mesh = set_programs.members_mesh(processes)
+    mesh = eager.members_mesh(processes)
     sent = [np.asarray(g).astype(wire.wire_dtype(g.dtype)) for g in leaves]
     wide = tuple(wire.accumulate_dtype(g.dtype) for g in leaves)
     program = _weighted_sum(mesh, tuple(counts[p] for p in processes), wide,
                             tuple(g.dtype for g in leaves))
-    summed = program([set_programs.stack(s, mesh) for s in sent])
+    summed = program([eager.stack(s, mesh) for s in sent])
     return [jnp.asarray(np.asarray(s.addressable_data(0))) for s in summed]
 
 

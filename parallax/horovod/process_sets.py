@@ -23,7 +23,7 @@ Where it runs decides how a subset is reached:
   its own value back (allgather: the set's gather). In Horovod only the members call, and a
   non-member's call is an error: so do the eager ``alltoall`` and
   ``DistributedOptimizer(process_set=)``, whose programs span the members' processes only
-  (:mod:`parallax.horovod.set_programs`; a non-member's ``alltoall`` raises, its optimizer
+  (:mod:`parallax.horovod.eager`; a non-member's ``alltoall`` raises, its optimizer
   steps with its own gradient and makes no call).
 
 Example:

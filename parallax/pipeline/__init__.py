@@ -8,7 +8,7 @@ directly; it is printed, plotted and costed before anything runs:
     s.bubble_fraction(f=1, b=1, w=1)   # the papers' bubble: 3/11 (lockstep=True: what ticks pay)
     s.as_arrays()                      # int arrays [ticks, stages] and the buffer plan
 
-    records = px.pipeline.profile(layers, sample)
+    records = px.pipeline.profile_layers(layers, sample)
     split = px.pipeline.partition(records, stages=4, method="pipedream", bandwidth=1e10)
 
 The runtime executes any schedule's table in one ``jit`` (``shard_map`` over the stage axis,
@@ -32,7 +32,7 @@ from parallax.pipeline.planning.partition import METHODS as METHODS
 from parallax.pipeline.planning.partition import Partition as Partition
 from parallax.pipeline.planning.partition import partition as partition
 from parallax.pipeline.planning.profile import LayerProfile as LayerProfile
-from parallax.pipeline.planning.profile import profile as profile
+from parallax.pipeline.planning.profile import profile_layers as profile_layers
 from parallax.pipeline.runtime.gpipe import gpipe_value_and_grad as gpipe_value_and_grad
 from parallax.pipeline.runtime.checks import POLICIES as POLICIES
 from parallax.pipeline.runtime.checks import REMAT as REMAT
@@ -65,11 +65,11 @@ __all__ = [
     "double_buffered",
     "gpipe_value_and_grad",
     "partition",
-    "profile",
+    "profile_layers",
     "schedule",
     "split_value_and_grad",
     "update",
     "value_and_grad",
 ]
 
-__getattr__ = _renamed_names("parallax.pipeline", globals())  # pre-round-3 names, with a warning
+__getattr__ = _renamed_names("parallax.pipeline", globals())  # old names, with a warning

@@ -37,9 +37,11 @@ from jax.sharding import AbstractMesh, AxisType
 
 from parallax import rules
 from parallax.analysis import hlo, program
-from parallax.planner import pipeline_memory, roofline
-from parallax.planner import predicted_memory as pm
-from parallax.planner import predicted_traffic as pt
+from parallax.planner import roofline
+from parallax.planner.predicted import compute as pc
+from parallax.planner.predicted import memory as pm
+from parallax.planner.predicted import pipeline as pp
+from parallax.planner.predicted import traffic as pt
 from parallax.planner.candidates import TP_NAMES, SearchSpace, enumerate_candidates
 from parallax.planner.plan_result import Evaluation, Plan, table
 from parallax.planner.setting import StepSetting, model_config, read_setting
@@ -79,12 +81,12 @@ def _plain_flops(state: TrainState, loss_fn, batch) -> float:
 
 
 def _predict(e: Evaluation, s: StepSetting, generic: dict, device, link,
-             slots: pipeline_memory.LayerSlots | None = None) -> None:
+             slots: pp.LayerSlots | None = None) -> None:
     state = pm.state_bytes(s)
     args = sum(state[k].value for k in ("parameters", "optimizer state", "other state"))
     args += s.batch_bytes / s.size(s.batch_axes)
     act = None
-    temps = (pipeline_memory.temporaries(s, slots)[0] if slots is not None
+    temps = (pp.temporaries(s, slots)[0] if slots is not None
              else pm.temporary_bytes(s))
     if temps is None:  # no GPT formula: the plain step's residuals, split like the batch
         split = s.size(s.batch_axes) * (s.pipeline.microbatches if s.pipeline else 1)
@@ -92,14 +94,14 @@ def _predict(e: Evaluation, s: StepSetting, generic: dict, device, link,
         temps = pm.Estimate(act + pm.local_param_bytes(s), "residuals + gradients")
     e.predicted_peak = args + temps.value
     e.predicted_args, e.predicted_temps = args, temps.value
-    flops = pt.flops(s)
+    flops = pc.flops(s)
     flops = flops.value if flops else generic["flops"] / (
         s.size(s.batch_axes) * s.tensor * s.stages)
     traffic = [(k, s.size(a), t.message_bytes, max(t.count, 1))
                for (k, a), t in pt.collectives(s).items()]
-    bubble = pt.bubble(s).value if s.pipeline else 0.0
+    bubble = pc.bubble(s).value if s.pipeline else 0.0
     dtype = jnp.dtype(s.config.dtype).name if s.config else "float32"
-    e.predicted_hbm = pt.hbm_bytes(s, act).value
+    e.predicted_hbm = pc.hbm_bytes(s, act).value
     e.predicted_time = roofline.step_time(flops, e.predicted_hbm, traffic, device, link,
                                           dtype=dtype, bubble=bubble).total
 
@@ -123,7 +125,7 @@ def _compile(e: Evaluation, abstract, loss_fn, batch, devices, device, link, bud
     e.compiled_peak = hlo.memory(compiled).peak_bytes
     traffic = [(k, setting.size(a), size, max(int(round(n)), 1)) for (k, a), (n, size)
                in program.collective_totals(text, mesh, branches).items() if a]
-    bubble = pt.bubble(setting).value if setting.pipeline else 0.0
+    bubble = pc.bubble(setting).value if setting.pipeline else 0.0
     dtype = jnp.dtype(setting.config.dtype).name if setting.config else "float32"
     accessed = float((compiled.cost_analysis() or {}).get("bytes accessed", 0.0))
     e.compiled_time = roofline.step_time(
@@ -282,7 +284,7 @@ def _slots(s: StepSetting, abstract, batch, loss_fn, traced: dict):
     key = (s.rows_per_device // s.pipeline.microbatches, s.tensor, s.sequence_parallel,
            s.pipeline.policy)
     if key not in traced:
-        traced[key] = pipeline_memory.layer_slots(s, abstract, batch, loss_fn)
+        traced[key] = pp.layer_slots(s, abstract, batch, loss_fn)
     return traced[key]
 
 

@@ -1,14 +1,17 @@
 """``px.explain``: what a train step will hold, send, compute and cost, predicted and measured.
 
 The prediction comes from the published formulas (ZeRO's memory, Megatron's traffic, the
-pipeline schedule's bubble and peak in flight: :mod:`parallax.planner.predicted_memory`
-and :mod:`parallax.planner.predicted_traffic`) applied to the step's mesh, strategy,
-state and batch; the measurement from the compiled program (the shardings XLA gave every
-argument, ``memory_analysis()``, the collectives and matmuls of the partitioned HLO with
-their loop counts: :mod:`parallax.analysis.program`). The estimated step time is a roofline
-(:mod:`parallax.planner.roofline`) with the links of ``parallax.comm.cost``. Each row shows
-both values and their ratio, and is flagged when they differ by more than 10%, with the
-reason when it is known. See ``docs/explain.md``.
+pipeline schedule's bubble and peak in flight: :mod:`parallax.planner.predicted`) applied to
+the step's mesh, strategy, state and batch; the measurement from the compiled program (the
+shardings XLA gave every argument, ``memory_analysis()``, the collectives and matmuls of the
+partitioned HLO with their loop counts: :mod:`parallax.analysis.program`). The estimated
+step time is a roofline (:mod:`parallax.planner.roofline`) with the links of
+``parallax.comm.cost``. Each row shows both values and their ratio, and is flagged when they
+differ by more than 10%, with the reason when it is known. See ``docs/explain.md``.
+
+(Over 300 lines: one report, whose three groups of rows (memory, collectives, time) read the
+same setting and compiled program and share its reasons; each group is one function here,
+the formulas they print are :mod:`parallax.planner.predicted`'s.)
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from parallax.analysis import hlo, program
-from parallax.planner import pipeline_memory, roofline
-from parallax.planner import predicted_expert as pe
-from parallax.planner import predicted_memory as pm
-from parallax.planner import predicted_traffic as pt
+from parallax.planner import roofline
+from parallax.planner.predicted import compute as pc
+from parallax.planner.predicted import expert_parallel as pe
+from parallax.planner.predicted import memory as pm
+from parallax.planner.predicted import pipeline as pp
+from parallax.planner.predicted import traffic as pt
 from parallax.planner.report import Report, Row
 from parallax.planner.setting import StepSetting, read_setting
 from parallax.comm import cost
@@ -99,7 +104,7 @@ def _context_own(found, counts, s: StepSetting) -> dict:
 
 
 def _pipeline_temporaries(s: StepSetting, state, batch, stages):
-    """The pipeline runtime's temporaries (:mod:`parallax.planner.pipeline_memory`), when the
+    """The pipeline runtime's temporaries (:mod:`parallax.planner.predicted.pipeline`), when the
     step pipelines a model whose ``Stages`` are known (given, or the GPT's); else None."""
     if s.pipeline is None:
         return None
@@ -107,7 +112,7 @@ def _pipeline_temporaries(s: StepSetting, state, batch, stages):
         stages = next_token_stages
     if not isinstance(stages, Stages):
         return None
-    return pipeline_memory.temporaries(s, pipeline_memory.layer_slots(s, state, batch, stages))
+    return pp.temporaries(s, pp.layer_slots(s, state, batch, stages))
 
 
 def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
@@ -285,14 +290,14 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
     rows = _memory_rows(setting, compiled, state, batch, found, counts, stages)
     context_own = _context_own(found, counts, setting) if setting.context_axis else None
     rows += _traffic_rows(setting, measured_traffic, context_own)
-    flops = pt.flops(setting)
+    flops = pc.flops(setting)
     measured_flops = program.matmul_flops(text, branches)
     flops_reason = ("pipeline W" if setting.pipeline else "moe flops" if setting.moe
                     else "ring flops" if setting.context_method == "ring" else "matmul flops")
     rows.append(Row(COMPUTE, "matmul flops", flops.value if flops else None, measured_flops,
                     unit="flop", how=flops.how if flops else "compiled program",
                     reason=REASONS[flops_reason]))
-    bub = pt.bubble(setting)
+    bub = pc.bubble(setting)
     if bub is not None:
         ticks = program.pipeline_ticks(text)
         p = setting.pipeline
@@ -318,8 +323,8 @@ def _dtype(s: StepSetting) -> str:
 def _time_rows(s, step, state, batch, device, link, flops, measured_flops, traffic,
                timing_steps, accessed) -> list[Row]:
     precision = jax.config.jax_default_matmul_precision
-    bubble = pt.bubble(s).value if s.pipeline else 0.0
-    hbm = pt.hbm_bytes(s).value
+    bubble = pc.bubble(s).value if s.pipeline else 0.0
+    hbm = pc.hbm_bytes(s).value
     predicted_traffic = [(kind, s.size(axes), t.message_bytes, max(t.count, 1))
                          for (kind, axes), t in pt.collectives(s).items()]
     measured = [(kind, s.size(axes), size, max(int(round(n)), 1))

@@ -7,8 +7,8 @@ the batch's leaves, and the model's configuration when it is ``px.models.GPT`` (
 ``px.nn.ParallelGPT``) or ``px.models.Llama`` (whose sizes the GPT's activation and
 Megatron formulas read as they are: SwiGLU's third matrix and GQA's smaller k/v are not in
 them), and the context-parallel and expert axes when the strategy has them.
-:mod:`parallax.planner.predicted_memory`, ``predicted_traffic``, ``predicted_context`` and
-``predicted_expert`` compute the formulas from it.
+:mod:`parallax.planner.predicted` (memory, traffic, compute, and each parallelism's own
+file) computes the formulas from it.
 """
 
 from __future__ import annotations

@@ -28,14 +28,14 @@ from parallax.ps.optax_handle import OptaxHandle as OptaxHandle  # noqa: E402
 from parallax.ps.request import KVMeta as KVMeta  # noqa: E402
 from parallax.ps.request import KVPairs as KVPairs  # noqa: E402
 from parallax.ps.slicer import default_slicer as default_slicer  # noqa: E402
-from parallax.ps.lazy_names import loader  # noqa: E402
+from parallax.ray_cluster.lazy_names import loader  # noqa: E402
 
 # Names whose modules import ray: loaded on first use.
 _LAZY = {
     "KVStore": "parallax.ps.kvstore",
     "KVWorker": "parallax.ps.worker",
-    "init_cluster": "parallax.ps.cluster",
-    "shutdown_cluster": "parallax.ps.cluster",
+    "init_cluster": "parallax.ray_cluster.connect",
+    "shutdown_cluster": "parallax.ray_cluster.connect",
     "run_workers": "parallax.ps.workers",
     "SimpleApp": "parallax.ps.simple_app",
     "SimpleData": "parallax.ps.simple_app",

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import ray
 
-from parallax.ps.cluster import init_cluster
+from parallax.ray_cluster.connect import init_cluster
 from parallax.ps.consistency import as_consistency
 from parallax.ps.errors import get_from_servers
 from parallax.ps.handles import SumHandle

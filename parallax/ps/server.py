@@ -4,6 +4,9 @@
 one as a Ray actor (an asynchronous actor, so a pull waiting for its consistency condition
 does not block the pushes that will satisfy it). A request runs to completion between two
 ``await`` points, so every push is applied atomically and every pull reads one version.
+What a push and a pull do to the table through a value handle is
+:mod:`parallax.ps.table_updates`; a request handle (``handle(meta, data, server)``) answers
+here.
 """
 
 from __future__ import annotations
@@ -19,19 +22,11 @@ import ray
 
 from parallax.ps.checkpoint import load_snapshot, save_snapshot, server_path
 from parallax.ps.consistency import BoundedDelay, VectorClock
-from parallax.ps.handles import ASSIGN, UPDATE, Handle
+from parallax.ps.handles import UPDATE, Handle
 from parallax.ps.keys import KeyRange
+from parallax.ps import table_updates
 from parallax.ps.request import HandleFailure, KVMeta, KVPairs, is_request_handle
-from parallax.ps.table import KVTable, expand_segments
-
-
-def _segments(offsets: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Flat indices of the segments ``offsets[i]:offsets[i + 1]`` of the keys in ``mask``."""
-    return expand_segments(offsets[:-1][mask], np.diff(offsets)[mask])
-
-
-def _is_slot(leaf, values: np.ndarray) -> bool:
-    return np.shape(leaf) == values.shape
+from parallax.ps.table import KVTable
 
 
 def publish_to_object_store(array: np.ndarray, min_bytes: int = 1 << 20):
@@ -271,11 +266,9 @@ class KVServer:
         self.table.keys = np.asarray(snapshot["keys"], np.uint64)
         self.table.offsets = np.asarray(snapshot["offsets"], np.int64)
         self.table.values = np.array(snapshot["values"], self.table.values.dtype)
-        if is_request_handle(self.handle):
-            self.clock.clock[:] = np.asarray(snapshot["clock"])
-            return
-        treedef = jax.tree.structure(self.handle.init(self.table.values))
-        self.state = jax.tree.unflatten(treedef, [np.array(x) for x in snapshot["state"]])
+        if not is_request_handle(self.handle):
+            treedef = jax.tree.structure(self.handle.init(self.table.values))
+            self.state = jax.tree.unflatten(treedef, [np.array(x) for x in snapshot["state"]])
         self.clock.clock[:] = np.asarray(snapshot["clock"])
 
     # -- internals ---------------------------------------------------------------------------
@@ -292,119 +285,16 @@ class KVServer:
         return staleness
 
     def _read(self, keys, slot, lens=None):
-        api = f"KVWorker.pull (server {self.rank})"
-        positions, missing = self.table.find(keys)
-        source = self.table.values if slot is None else self._slot(slot)
-        if missing.any() and lens is None:
-            self.table.locate(keys, api)  # raises, naming the keys and the fix
-        stored = positions[~missing]
-        stored_lens = self.table.offsets[stored + 1] - self.table.offsets[stored]
-        if lens is not None:
-            lens = np.asarray(lens, np.int64)
-            if not np.array_equal(stored_lens, lens[~missing]):
-                bad = int(np.argmax(stored_lens != lens[~missing]))
-                raise ValueError(f"{api}: key {keys[~missing][bad]} holds {stored_lens[bad]} "
-                                 f"values but the pull asked for {lens[~missing][bad]} "
-                                 f"(lens=); pass the length it was pushed with.")
-        if missing.any():
-            values = self._with_zeros(source, keys, positions, missing, lens, slot)
-        else:
-            lens = stored_lens
-            values = source[self.table.elements(positions)]
+        values, lens = table_updates.pull(self.table, self.state, self.handle, keys, slot, lens,
+                                          rank=self.rank)
         self._counts["pulls"] += 1
         self._counts["bytes_pulled"] += values.nbytes
         # A slice is a view of the live store: publish a snapshot before the next push lands.
         return self.publish(values), lens
 
-    def _with_zeros(self, source, keys, positions, missing, lens, slot) -> np.ndarray:
-        """Stored keys' values with never-pushed keys' initial values (zeros) in between.
-
-        Nothing is inserted: PS-Lite's ``store[key]`` would insert the zero, which here
-        would fix the key's length and grow the handle's state at a read; a later push
-        starts from the same zeros either way.
-        """
-        out_offsets = np.concatenate([[0], np.cumsum(lens)])
-        fresh = np.zeros(int(lens[missing].sum()), self.table.values.dtype)
-        if slot is not None:  # the handle's initial per-element state of zero values
-            slots = [leaf for leaf in jax.tree.leaves(self.handle.init(fresh))
-                     if np.shape(leaf) == fresh.shape]
-            fresh = np.asarray(slots[slot], source.dtype)
-        out = np.empty(int(out_offsets[-1]), source.dtype)
-        have = ~missing
-        starts = self.table.offsets[positions[have]]
-        out[_segments(out_offsets, have)] = source[expand_segments(starts, lens[have])]
-        out[_segments(out_offsets, missing)] = fresh
-        return out
-
-    def _slot(self, slot: int) -> np.ndarray:
-        slots = [leaf for leaf in jax.tree.leaves(self.state) if _is_slot(leaf, self.table.values)]
-        if not 0 <= slot < len(slots):
-            raise ValueError(f"KVWorker.pull: slot {slot} does not exist; the handle "
-                             f"{self.handle!r} keeps {len(slots)} per-element slots.")
-        return np.asarray(slots[slot])
-
     def _apply(self, keys, values, lens, cmd) -> HandleFailure | None:
-        api = f"KVWorker.push (server {self.rank})"
-        if cmd not in (UPDATE, ASSIGN):
-            raise ValueError(f"{api}: cmd must be px.ps.UPDATE (0) or px.ps.ASSIGN (1), got "
-                             f"{cmd!r}; other commands need a request handle "
-                             f"(handle(meta, data, server), see px.ps.KVMeta).")
-        values = np.asarray(values).reshape(-1)
-        if lens is None:
-            width = values.size // keys.size if keys.size else 0
-            lens = np.full(keys.size, width, np.int64)
-        positions, missing = self.table.find(keys)
-        if missing.any():
-            self._insert(keys[missing], np.asarray(lens)[missing])
-            positions, _ = self.table.find(keys)
-        stored_lens = self.table.offsets[positions + 1] - self.table.offsets[positions]
-        if not np.array_equal(stored_lens, lens):
-            bad = int(np.argmax(stored_lens != lens))
-            raise ValueError(f"{api}: key {keys[bad]} holds {stored_lens[bad]} values on the "
-                             f"server but {lens[bad]} were pushed; a key's length is fixed "
-                             f"when it is first pushed.")
+        self.state, error = table_updates.push(self.table, self.state, self.handle, keys, values,
+                                               lens, cmd, rank=self.rank)
         self._counts["pushes"] += 1
-        self._counts["bytes_pushed"] += values.nbytes
-        if keys.size == 0:
-            return  # a clock tick only
-        where = self.table.elements(positions)
-        if cmd == ASSIGN:
-            self.table.values[where] = values
-            fresh = self.handle.init(values)
-            self.state = self._scatter(self.state, where, fresh, shared=False)
-            return
-        stored = self.table.values[where]
-        part = jax.tree.map(lambda leaf: leaf[where] if _is_slot(leaf, self.table.values) else leaf,
-                            self.state)
-        try:
-            new, part = self.handle.push(stored, values, part)
-        except Exception as error:  # noqa: BLE001 - the worker re-raises it, with the server
-            return self._failure(f"KVWorker.push (cmd={cmd})", error)
-        if not (isinstance(where, slice) and np.shares_memory(new, self.table.values)):
-            self.table.values[where] = new
-        self.state = self._scatter(self.state, where, part, shared=True)
-
-    def _scatter(self, state, where, part, *, shared: bool):
-        """Writes ``part``'s per-element leaves at ``where``; shared leaves kept or replaced."""
-        def put(leaf, new):
-            if _is_slot(leaf, self.table.values):
-                leaf = np.array(leaf) if not leaf.flags.writeable else leaf
-                leaf[where] = new
-                return leaf
-            return np.asarray(new) if shared else leaf
-        return jax.tree.map(put, state, part)
-
-    def _insert(self, keys, lens) -> None:
-        old_size = self.table.values.size
-        old_values = self.table.values
-        gather = self.table.insert(keys, lens)
-        fresh = self.handle.init(np.zeros(self.table.values.size - old_size, old_values.dtype))
-
-        def merge(leaf, new):
-            if np.shape(leaf) == old_values.shape:
-                return np.concatenate([np.asarray(leaf), np.asarray(new)])[gather]
-            return leaf
-        if old_size == 0:
-            self.state = self.handle.init(self.table.values)
-        else:
-            self.state = jax.tree.map(merge, self.state, fresh)
+        self._counts["bytes_pushed"] += np.asarray(values).nbytes
+        return None if error is None else self._failure(f"KVWorker.push (cmd={cmd})", error)

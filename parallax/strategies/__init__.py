@@ -20,6 +20,9 @@ expert (GShard, Switch)  expert.py,            ExpertExchange: two           tes
                          expert_dispatch.py    all-to-alls per MoE layer
 pipeline (GPipe, 1F1B,   pipeline.py           parallax.pipeline: schedules, test_pipeline_strategy,
 interleaved, ZB, V)                            runtime, weight versions      pipeline/
+context parallel (ring   context_parallel/:    ContextSplit: zigzag order;   test_context_parallel,
+attention, Llama 3's     strategy, ring,       ring or all-gather attention  test_context_pipeline
+all-gather)              zigzag, stage_groups  in a shard_map over the axis
 mixed precision          precision.py          casts in parallax.grad;       test_precision
                                                parallax.loss_scale
 =======================  ====================  ============================  ==================
@@ -28,7 +31,7 @@ The tests named are in ``tests/strategies/``, the folders and ``test_layout`` in
 """
 
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation
-from parallax.strategies.context import ContextParallel as ContextParallel
+from parallax.strategies.context_parallel import ContextParallel as ContextParallel
 from parallax.strategies.data import DataParallel as DataParallel
 from parallax.strategies.expert import ExpertParallel as ExpertParallel
 from parallax.strategies.pipeline import Pipeline as Pipeline

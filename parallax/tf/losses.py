@@ -7,7 +7,7 @@ replica sums its per-example losses and divides by the global batch size, and th
 gradients are then *summed* across replicas (``ReduceOp.SUM``), which gives exactly the
 gradient of the mean loss over the global batch.
 
-On a padded partial batch (:mod:`parallax.tf.partial_batches`) the padding rows count for
+On a padded partial batch (:mod:`parallax.tf.input.partial_batches`) the padding rows count for
 nothing: their losses are masked out and this replica's batch size is its real rows, as
 TensorFlow's replicas, whose batches have their own lengths, compute it.
 

@@ -41,7 +41,7 @@ class ReplicaContext:
       num_replicas_in_sync: how many replicas run the function together.
       replica_axes: the mesh axes that index the replicas (``()`` outside ``run``).
       batch_rows: ``None``, or when ``run``'s batch is split unevenly over the replicas (a
-        partial last batch, :mod:`parallax.tf.partial_batches`) each replica's real rows;
+        partial last batch, :mod:`parallax.tf.input.partial_batches`) each replica's real rows;
         the batch every replica sees is then padded with zero rows to ``max(batch_rows)``.
       reads: records that the replica function asked which rows are real (``run`` refuses a
         padded batch whose rows nobody masked); not part of equality.
@@ -74,7 +74,7 @@ class ReplicaContext:
         """This replica's real examples in a per-replica batch of ``rows`` rows.
 
         TensorFlow's replicas see batches of their own length; here a partial last batch is
-        padded (:mod:`parallax.tf.partial_batches`), and this is the length TF's would have.
+        padded (:mod:`parallax.tf.input.partial_batches`), and this is the length TF's would have.
 
         Args:
           rows: the leading dimension of a per-replica batch (or of per-example values).

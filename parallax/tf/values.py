@@ -130,7 +130,7 @@ class PerReplica:
         replica ``i``'s device (sharded over the strategy's replica axes).
       strategy: the strategy whose replicas hold it (static: part of a jit signature).
       rows: ``None``, or for a batch split unevenly (a partial last batch, TensorFlow's
-        split: :mod:`parallax.tf.partial_batches`) the real rows of each replica's component;
+        split: :mod:`parallax.tf.input.partial_batches`) the real rows of each replica's component;
         ``stacked`` holds them padded with zero rows to the largest count (static).
 
     Made by ``strategy.run`` (what the replica function returns), by the distributed

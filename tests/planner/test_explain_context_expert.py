@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from parallax.planner import predicted_memory
+from parallax.planner.predicted import memory as predicted_memory
 from parallax.planner.setting import read_setting
 
 TX = optax.sgd(0.1, momentum=0.9)

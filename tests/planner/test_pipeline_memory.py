@@ -1,7 +1,7 @@
 """Pipeline memory: the planner's prediction against the compiled program, per schedule.
 
 The prediction counts the pipeline runtime's rings from its own plan (the lowered
-schedule's rows, the layer template's slots: ``parallax.planner.pipeline_memory``); the
+schedule's rows, the layer template's slots: ``parallax.planner.predicted.pipeline``); the
 measurement is ``memory_analysis()`` of the compiled step (arguments + outputs - aliases
 + temporaries), read through ``px.explain``'s ``peak`` row. Compiled only, never run.
 """
@@ -12,7 +12,7 @@ import pytest
 
 import parallax as px
 from parallax.cli import explain_and_plan
-from parallax.planner import pipeline_memory
+from parallax.planner.predicted import pipeline as pipeline_memory
 from parallax.planner.setting import read_setting
 from parallax.strategy import compose
 

@@ -3,7 +3,7 @@ model on 64 devices of the paper's figure 1 (120, 31.4, 16.6 and 1.9 GB per devi
 
 import pytest
 
-from parallax.planner import zero_memory
+from parallax.planner.predicted import zero as zero_memory
 
 PAPER = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # GB per device, Rajbhandari et al. figure 1
 PSI, N = 7.5e9, 64

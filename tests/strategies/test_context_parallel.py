@@ -16,7 +16,8 @@ import pytest
 
 import parallax as px
 from parallax.analysis import hlo
-from parallax.strategies import context_ring, context_zigzag
+from parallax.strategies.context_parallel import ring as context_ring
+from parallax.strategies.context_parallel import zigzag as context_zigzag
 
 CONFIG = fx.GPT_CONFIG
 B, T, D, L, H = 4, CONFIG.max_seq_len, CONFIG.embed_dim, CONFIG.num_layers, CONFIG.num_heads

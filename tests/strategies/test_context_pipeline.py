@@ -4,9 +4,9 @@ Each case trains 3 steps of a tiny model (T = 16) split into pipeline stages, wi
 sequence split over ``context`` inside each stage, and must match one device: losses,
 gradients, parameters and the whole final state (optimizer included), fp32, 1e-5. The
 compiled program must send the ring's messages inside the stages as all-to-alls over
-``context`` (no collective-permute over it: see ``parallax.strategies.context_groups``),
-3n - 2 per layer per micro-batch pass, and gather no activation over ``context`` inside the
-layers.
+``context`` (no collective-permute over it: see
+``parallax.strategies.context_parallel.stage_groups``), 3n - 2 per layer per micro-batch pass,
+and gather no activation over ``context`` inside the layers.
 """
 
 import functools

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 import parallax as px
 from parallax import layout
 from parallax.analysis import hlo
-from parallax.planner import zero_memory
+from parallax.planner.predicted import zero as zero_memory
 
 SHARDS = 8
 

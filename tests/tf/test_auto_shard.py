@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import parallax as px
-from parallax.tf import auto_shard, worker_input
-from parallax.tf.distributed_input import global_batch_rows
+from parallax.tf.input import auto_shard, workers
+from parallax.tf.input.distributed import global_batch_rows
 
 API = "api"
 
@@ -22,7 +22,7 @@ def files_dataset(files, per_file):
 def worker_steps(dataset, num_workers, worker, replicas_per_worker):
     """FILE/OFF/HINT: a worker's mini-batches, grouped R per step (labels as strings)."""
     elements = dataset.elements_for_worker(API, num_workers, worker)
-    stream = [mb[:, 0].tolist() for mb in worker_input.worker_minibatches(
+    stream = [mb[:, 0].tolist() for mb in workers.worker_minibatches(
         elements, rows_of, dataset.batch_size, num_workers, replicas_per_worker, worker)]
     return [stream[i:i + replicas_per_worker] for i in range(0, len(stream), replicas_per_worker)]
 

@@ -6,7 +6,7 @@ optimizers all-reduce the gradients first (``apply_gradients``'s
 ``experimental_aggregate_gradients=True`` / ``skip_gradients_aggregation=False``), and
 TensorFlow 1 refused the write ("You must specify an aggregation method to update a
 MirroredVariable in Replica Context"). parallax keeps one replicated array per mirrored
-variable, so it refuses a divergent write (see ``parallax.tf.mirrored_check``).
+variable, so it refuses a divergent write (see ``parallax.tf.mirrored.divergence``).
 """
 
 import re

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import parallax as px
-from parallax.tf.partitioners import shard_rows
+from parallax.tf.parameter_server.partitioners import shard_rows
 from tf import ps_testing
 
 

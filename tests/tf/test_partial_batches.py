@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from parallax.tf import partial_batches
+from parallax.tf.input import partial_batches
 
 from .tf_testing import Net
 

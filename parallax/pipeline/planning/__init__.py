@@ -1,2 +1,2 @@
-"""Planning a pipeline: measuring layers (``profile``) and splitting them into stages
+"""Planning a pipeline: measuring layers (``profile_layers``) and splitting them into stages
 (``partition``: uniform, torchgpipe's balancers, PipeDream's planner)."""

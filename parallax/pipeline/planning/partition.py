@@ -1,7 +1,8 @@
 """Splitting a sequence of layers into contiguous pipeline stages.
 
 Four methods, all over per-layer costs (numbers, or the
-:class:`~parallax.pipeline.planning.profile.LayerProfile` records of :func:`~parallax.pipeline.planning.profile`):
+:class:`~parallax.pipeline.planning.profile.LayerProfile` records of
+:func:`~parallax.pipeline.planning.profile.profile_layers`):
 
 * ``"uniform"``: the same number of layers per stage (the first ``L % S`` stages get one more).
 * ``"balance_by_time"``: torchgpipe's ``balance_by_time``: minimise the slowest stage's time.
@@ -149,7 +150,7 @@ def partition(
 
     Args:
       costs: per layer, a time (any unit) or a record with ``time``, ``param_bytes`` and
-        ``activation_bytes`` (``LayerProfile`` from :func:`~parallax.pipeline.planning.profile`). For
+        ``activation_bytes`` (``LayerProfile`` from ``px.pipeline.profile_layers``). For
         ``"balance_by_size"`` plain numbers are the layers' memory sizes.
       stages: the number of stages, ``1 <= stages <= len(costs)``.
       method: ``"uniform"``, ``"balance_by_time"``, ``"balance_by_size"`` or ``"pipedream"``.
@@ -275,7 +276,7 @@ def _stage_cost(layers, measure, bandwidth, overlap):
     if bandwidth is not None and sent is None:
         raise ValueError(
             "partition: communication needs per-layer activation bytes: pass profile records "
-            "(parallax.pipeline.planning.profile) or activation_bytes=[...]"
+            "(px.pipeline.profile_layers) or activation_bytes=[...]"
         )
     n = len(values)
 

@@ -1,4 +1,9 @@
-"""Measuring each layer of a sequential model: time, flops, parameter and activation bytes."""
+"""Measuring each layer of a sequential model: time, flops, parameter and activation bytes.
+
+``px.pipeline.profile_layers`` (called ``profile`` before round 4, a name that
+``px.profile``, a ``jax.profiler`` trace of steps, also has) measures what
+``px.pipeline.partition`` balances.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from parallax.old_import_paths import renamed_names
+
 
 class LayerProfile(NamedTuple):
-    """What :func:`profile` measured for one layer; usable as a cost by ``partition``."""
+    """What :func:`profile_layers` measured for one layer; usable as a cost by ``partition``."""
 
     name: str
     time: float  # seconds: median of the repeats of the compiled forward
@@ -22,7 +29,7 @@ class LayerProfile(NamedTuple):
     activation_bytes: int  # bytes of the layer's output (what a stage boundary would send)
 
 
-def profile(
+def profile_layers(
     layers: Sequence[Any],
     sample: Any,
     *,
@@ -53,10 +60,10 @@ def profile(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from parallax.pipeline import profile, partition
+      >>> from parallax.pipeline import partition, profile_layers
       >>> dense = lambda p, x: x @ p
       >>> layers = [(dense, jnp.ones((8, 16))), jnp.tanh, (dense, jnp.ones((16, 4)))]
-      >>> records = profile(layers, jnp.ones((2, 8)), repeats=2)
+      >>> records = profile_layers(layers, jnp.ones((2, 8)), repeats=2)
       >>> records[0].flops, records[0].param_bytes, records[0].activation_bytes
       (512.0, 512, 128)
       >>> partition(records, stages=2).stages
@@ -67,13 +74,13 @@ def profile(
       activation size and parameter size); Kim et al. 2020, torchgpipe (balance by time/size).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"profile: repeats must be an int >= 1, got {repeats!r}")
+        raise ValueError(f"profile_layers: repeats must be an int >= 1, got {repeats!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"profile: warmup must be an int >= 0, got {warmup!r}")
+        raise ValueError(f"profile_layers: warmup must be an int >= 0, got {warmup!r}")
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise TypeError(
-            "profile: layers must be a non-empty sequence of callables, (f, params) pairs or "
-            "nnx.Modules"
+            "profile_layers: layers must be a non-empty sequence of callables, (f, params) pairs "
+            "or nnx.Modules"
         )
     records = []
     x = sample
@@ -90,7 +97,8 @@ def profile(
                 times.append(_time.perf_counter() - start)
         except Exception as error:
             shapes = jax.tree.map(lambda a: tuple(np.shape(a)), x)
-            error.add_note(f"profile: raised by layers[{i}] ({name}) on an input of shape {shapes}")
+            error.add_note(f"profile_layers: raised by layers[{i}] ({name}) on an input of "
+                           f"shape {shapes}")
             raise
         records.append(
             LayerProfile(
@@ -114,8 +122,8 @@ def _normalise(layer, i: int) -> tuple[str, Callable, Any, Any]:
         return _name(layer), lambda args, x: layer(x), (), ()
     else:
         raise TypeError(
-            f"profile: layers[{i}] is a {type(layer).__name__}; pass a callable f(x), a pair "
-            "(f, params) called f(params, x), or an nnx.Module"
+            f"profile_layers: layers[{i}] is a {type(layer).__name__}; pass a callable f(x), a "
+            "pair (f, params) called f(params, x), or an nnx.Module"
         )
     f, params = layer
     if not isinstance(params, nnx.Module):
@@ -140,6 +148,7 @@ def _flops(compiled) -> float:
     return float(analysis.get("flops", 0.0))  # XLA leaves the key out when it counts none
 
 
+
 def _nbytes(tree) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):
@@ -148,3 +157,6 @@ def _nbytes(tree) -> int:
             * np.dtype(jax.numpy.result_type(leaf)).itemsize
         )
     return total
+
+
+__getattr__ = renamed_names(__name__, globals())  # profile, with a warning

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from parallax.pipeline import LayerProfile, partition, profile
+from parallax.pipeline import LayerProfile, partition, profile_layers
 from parallax.pipeline.planning.profile import _flops
 
 B, D_IN, D_HID, D_OUT = 8, 16, 32, 4
@@ -29,7 +29,7 @@ def mlp_layers():
 
 
 def test_profile_measures_flops_bytes_and_time():
-    records = profile(mlp_layers(), jnp.ones((B, D_IN)), repeats=3)
+    records = profile_layers(mlp_layers(), jnp.ones((B, D_IN)), repeats=3)
     assert [r.name for r in records] == ["dense", "tanh", "dense"]
     first, act, last = records
     assert first.flops == pytest.approx(2 * B * D_IN * D_HID, rel=0.05)
@@ -42,17 +42,17 @@ def test_profile_measures_flops_bytes_and_time():
 
 def test_profile_reads_nnx_modules():
     layer = nnx.Linear(D_IN, D_HID, rngs=nnx.Rngs(0))
-    (record,) = profile([layer], jnp.ones((B, D_IN)), repeats=1, warmup=0)
+    (record,) = profile_layers([layer], jnp.ones((B, D_IN)), repeats=1, warmup=0)
     assert record.name == "Linear"
     assert record.param_bytes == (D_IN * D_HID + D_HID) * 4
     assert record.activation_bytes == B * D_HID * 4
     assert record.flops >= 2 * B * D_IN * D_HID
-    (pair,) = profile([(lambda m, x: m(x) * 2, layer)], jnp.ones((B, D_IN)), repeats=1)
+    (pair,) = profile_layers([(lambda m, x: m(x) * 2, layer)], jnp.ones((B, D_IN)), repeats=1)
     assert pair.param_bytes == record.param_bytes and pair.name == "<lambda>"
 
 
 def test_records_feed_the_partitioner():
-    records = profile(mlp_layers(), jnp.ones((B, D_IN)), repeats=2)
+    records = profile_layers(mlp_layers(), jnp.ones((B, D_IN)), repeats=2)
     plan = partition(records, 2, "pipedream", bandwidth=1e9)
     assert plan.stages == 2 and plan.boundaries[-1] == 3
     assert partition(records, 3, "balance_by_size").compute == tuple(
@@ -76,17 +76,17 @@ def test_cost_analysis_as_dict_or_list():
 
 def test_bad_layers():
     with pytest.raises(
-        TypeError, match=r"profile: layers\[1\] is a int; pass a callable f\(x\), a pair"
+        TypeError, match=r"profile_layers: layers\[1\] is a int; pass a callable f\(x\), a pair"
     ):
-        profile([jnp.tanh, 3], jnp.ones(2))
-    with pytest.raises(ValueError, match="profile: repeats must be an int >= 1, got 0"):
-        profile([jnp.tanh], jnp.ones(2), repeats=0)
-    with pytest.raises(TypeError, match="profile: layers must be a non-empty sequence"):
-        profile([], jnp.ones(2))
+        profile_layers([jnp.tanh, 3], jnp.ones(2))
+    with pytest.raises(ValueError, match="profile_layers: repeats must be an int >= 1, got 0"):
+        profile_layers([jnp.tanh], jnp.ones(2), repeats=0)
+    with pytest.raises(TypeError, match="profile_layers: layers must be a non-empty sequence"):
+        profile_layers([], jnp.ones(2))
     with pytest.raises(TypeError) as info:  # a layer's own error names the layer
-        profile(mlp_layers()[::-1], jnp.ones((B, D_IN)))
+        profile_layers(mlp_layers()[::-1], jnp.ones((B, D_IN)))
     assert any(
-        "profile: raised by layers[0] (dense) on an input of shape (8, 16)" in n
+        "profile_layers: raised by layers[0] (dense) on an input of shape (8, 16)" in n
         for n in info.value.__notes__
     )
 

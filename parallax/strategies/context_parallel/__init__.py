@@ -7,6 +7,7 @@ A folder of its own, like every parallelism with more than one idea, so that the
 - ``strategy.py``: ``ContextParallel`` and ``ContextSplit``, its mechanism (the rule table,
   the zigzag order's checks, attention in a ``shard_map`` over the axis);
 - ``ring.py``: ring attention, K/V round the axis with the online softmax, its backward;
+- ``gather.py``: all-gather attention, the gathered K/V walked block by block both ways;
 - ``zigzag.py``: the zigzag split of a sequence (chunks ``i`` and ``2n-1-i``) and the way back;
 - ``stage_groups.py``: the point-to-point messages inside pipeline stages, as all-to-alls.
 

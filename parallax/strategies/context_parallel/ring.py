@@ -52,14 +52,14 @@ from parallax.strategies.context_parallel.stage_groups import StageGroups, permu
 F32 = jnp.float32
 
 
-def _scores(q, k, scale):
+def scores(q, k, scale):
     """``[B, G, R, Q, S]`` float32 scores of ``q [B, Q, G, R, K]`` against ``k [B, S, G, K]``."""
     return jnp.einsum("bqgrk,bsgk->bgrqs", q, k, preferred_element_type=F32) * scale
 
 
 def _block(q, k, v, scale, mask=None):
     """One block's ``(o, m, l)``: unnormalised output, row max and row sum of exp."""
-    s = _scores(q, k, scale)
+    s = scores(q, k, scale)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
@@ -133,9 +133,9 @@ def _forward(q, k, v, axis, n, causal, scale, groups=None):
     return out.astype(q.dtype), m + jnp.log(l)
 
 
-def _block_grads(q, k, v, do, lse, delta, scale, mask=None):
+def block_grads(q, k, v, do, lse, delta, scale, mask=None):
     """``(dq, dk, dv)`` of one block, from the rows' log-sum-exp (FlashAttention)."""
-    s = _scores(q, k, scale)
+    s = scores(q, k, scale)
     p = jnp.exp(s - lse[..., None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
@@ -152,23 +152,23 @@ def _backward(q, k, v, out, lse, do, axis, n, causal, scale, groups=None):
     i, c = lax.axis_index(axis), q.shape[1] // 2
     do = do.astype(F32)
     delta = jnp.moveaxis(jnp.sum(do * out.astype(F32), axis=-1), 1, -1)  # [B, G, R, Q]
-    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, scale,
+    dq, dk, dv = block_grads(q, k, v, do, lse, delta, scale,
                               diagonal_mask(c) if causal else None)
     kv, dkv = jnp.stack([k, v]), jnp.stack([dk, dv])
     for s in range(1, n):
         kv, dkv = _shift(kv, axis, n, groups), _shift(dkv, axis, n, groups)
         kk, vv = kv[0], kv[1]
         if not causal:
-            gq, gk, gv = _block_grads(q, kk, vv, do, lse, delta, scale)
+            gq, gk, gv = block_grads(q, kk, vv, do, lse, delta, scale)
             dq, dkv = dq + gq, dkv + jnp.stack([gk, gv])
             continue
 
         def earlier(dq, dkv, kk=kk, vv=vv):  # all query rows, key chunk j
-            gq, gk, gv = _block_grads(q, kk[:, :c], vv[:, :c], do, lse, delta, scale)
+            gq, gk, gv = block_grads(q, kk[:, :c], vv[:, :c], do, lse, delta, scale)
             return dq + gq, dkv.at[:, :, :c].add(jnp.stack([gk, gv]))
 
         def later(dq, dkv, kk=kk, vv=vv):  # query chunk 2n-1-i, both key chunks
-            gq, gk, gv = _block_grads(q[:, c:], kk, vv, do[:, c:], lse[..., c:],
+            gq, gk, gv = block_grads(q[:, c:], kk, vv, do[:, c:], lse[..., c:],
                                       delta[..., c:], scale)
             return dq.at[:, c:].add(gq), dkv + jnp.stack([gk, gv])
 
@@ -194,7 +194,7 @@ def _ring_bwd(axis, n, causal, scale, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _grouped(query, key):
+def grouped(query, key):
     b, t, h, d = query.shape
     return query.reshape(b, t, key.shape[2], h // key.shape[2], d)
 
@@ -204,7 +204,7 @@ def forward(query, key, value, *, axis: str, n: int, causal: bool, scale: float,
     """``(out [B, 2c, H, K], lse [B, G, H/G, 2c])``: the ring's output and each query row's
     log-sum-exp, which :func:`backward` needs. Inside a ``shard_map`` manual over ``axis``;
     ``groups``: the pipeline's stages, inside its runtime."""
-    out, lse = _forward(_grouped(query, key), key, value, axis, n, causal, float(scale),
+    out, lse = _forward(grouped(query, key), key, value, axis, n, causal, float(scale),
                         groups)
     return out.reshape(query.shape), lse
 
@@ -212,7 +212,7 @@ def forward(query, key, value, *, axis: str, n: int, causal: bool, scale: float,
 def backward(query, key, value, out, lse, d_out, *, axis: str, n: int, causal: bool,
              scale: float, groups: StageGroups | None = None):
     """``(d_query, d_key, d_value)`` from :func:`forward`'s output and log-sum-exp."""
-    q = _grouped(query, key)
+    q = grouped(query, key)
     dq, dk, dv = _backward(q, key, value, out.reshape(q.shape), lse,
                            d_out.reshape(q.shape), axis, n, causal, float(scale), groups)
     return dq.reshape(query.shape), dk, dv
@@ -247,5 +247,5 @@ def ring_attention(query, key, value, *, axis: str, n: int, causal: bool,
       >>> f(q).shape
       (1, 8, 2, 4)
     """
-    q = _grouped(query, key)
+    q = grouped(query, key)
     return _ring(q, key, value, axis, n, causal, float(scale)).reshape(query.shape)

@@ -13,7 +13,8 @@ runs one of
   accumulates its queries' output with the online softmax
   (:mod:`parallax.strategies.context_parallel.ring`; Liu et al. 2023);
 - ``"all_gather"``: K and V all-gathered over the axis at each layer and the local queries
-  attend to all of them (Llama 3's choice, Dubey et al. 2024, section 3.3.2); the backward
+  attend to all of them, one key block at a time (Llama 3's choice, Dubey et al. 2024,
+  section 3.3.2; :mod:`parallax.strategies.context_parallel.gather`); the backward
   reduce-scatters their gradients.
 
 The sequence is held in the zigzag order (:mod:`parallax.strategies.context_parallel.zigzag`) so
@@ -54,6 +55,7 @@ from jax.sharding import Mesh, PartitionSpec
 from parallax.comm import nesting
 from parallax.mesh import describe
 from parallax.rules import resolve_spec
+from parallax.strategies.context_parallel import gather
 from parallax.strategies.context_parallel import ring as context_ring
 from parallax.strategies.context_parallel import stage_groups as context_groups
 from parallax.strategies.context_parallel import zigzag as context_zigzag
@@ -113,33 +115,31 @@ class ContextSplit:
         self.order(length, mesh, "parallax.attention.dot_product_attention")
         scale = float(scale) if scale is not None else 1.0 / float(np.sqrt(query.shape[-1]))
         seq = PartitionSpec(None, self.axis)
+        rows = PartitionSpec(None, None, None, self.axis)  # lse [B, G, H/G, T]
         if self.method == "ring":
+            method = context_ring
             kw = dict(axis=self.axis, n=n, causal=causal, scale=scale,
                       groups=context_groups.current())
-            rows = PartitionSpec(None, None, None, self.axis)  # lse [B, G, H/G, T]
-            fwd = self._map(functools.partial(context_ring.forward, **kw), (seq,) * 3,
-                            (seq, rows))
-            bwd = self._map(functools.partial(context_ring.backward, **kw),
-                            (seq,) * 4 + (rows, seq), (seq,) * 3)
-            residuals = lambda q, k, v: (lambda o, lse: (o, (q, k, v, o, lse)))(*fwd(q, k, v))
-            return _with_vjp(residuals, lambda res, d_out: bwd(*res, d_out))(query, key, value)
-        pos = context_zigzag.positions(length, n)
-        local = functools.partial(gathered_attention, axis=self.axis, positions=pos,
-                                  causal=causal, scale=scale)
-        # Under tensor parallelism the map is manual over the heads' axis too, each device
-        # holding its H/t query heads and the G/t key/value heads they read (a local slice
-        # where K/V are replicated over that axis): left automatic, XLA gathers the heads
-        # over it before the all-gather over the context axis (t times the bytes).
-        heads_axis = heads_axis if _splits_heads(heads_axis, mesh, query, key) else None
-        if heads_axis is not None:
-            seq = PartitionSpec(None, self.axis, heads_axis)
-        fwd = self._map(local, (seq,) * 3, seq, heads_axis)
-        # The backward recomputes the local attention (one more all-gather of K and V)
-        # rather than keeping the gathered K and V (O(T) per layer) as residuals.
-        bwd = self._map(lambda q, k, v, d: jax.vjp(local, q, k, v)[1](d), (seq,) * 4,
+            heads_axis = None
+        else:
+            method = gather
+            kw = dict(axis=self.axis, positions=context_zigzag.positions(length, n),
+                      causal=causal, scale=scale)
+            # Under tensor parallelism the map is manual over the heads' axis too, each
+            # device holding its H/t query heads and the G/t key/value heads they read (a
+            # local slice where K/V are replicated over that axis): left automatic, XLA
+            # gathers the heads over it before the all-gather over the context axis (t
+            # times the bytes).
+            heads_axis = heads_axis if _splits_heads(heads_axis, mesh, query, key) else None
+            if heads_axis is not None:
+                seq = PartitionSpec(None, self.axis, heads_axis)
+                rows = PartitionSpec(None, heads_axis, None, self.axis)
+        fwd = self._map(functools.partial(method.forward, **kw), (seq,) * 3, (seq, rows),
+                        heads_axis)
+        bwd = self._map(functools.partial(method.backward, **kw), (seq,) * 4 + (rows, seq),
                         (seq,) * 3, heads_axis)
-        return _with_vjp(lambda q, k, v: (fwd(q, k, v), (q, k, v)),
-                         lambda res, d_out: bwd(*res, d_out))(query, key, value)
+        residuals = lambda q, k, v: (lambda o, lse: (o, (q, k, v, o, lse)))(*fwd(q, k, v))
+        return _with_vjp(residuals, lambda res, d_out: bwd(*res, d_out))(query, key, value)
 
     def natural(self, x, mesh: Mesh, api: str):
         n = self.ways(mesh)
@@ -226,36 +226,6 @@ def _with_vjp(forward, backward):
 
     f.defvjp(forward, backward)
     return f
-
-
-def gathered_attention(query, key, value, *, axis: str, positions: np.ndarray, causal: bool,
-                       scale: float):
-    """Llama 3's context parallelism: local queries against all-gathered keys and values.
-
-    Call inside a ``shard_map`` manual over ``axis``, on zigzag-ordered shards; the mask
-    compares global positions (``positions``: slot -> position, device-major).
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> mesh = jax.make_mesh((2,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
-      >>> pos = context_zigzag.positions(8, 2)
-      >>> f = jax.shard_map(lambda q: gathered_attention(q, q, q, axis="context",
-      ...     positions=pos, causal=True, scale=0.5), mesh=mesh,
-      ...     in_specs=jax.P(None, "context"), out_specs=jax.P(None, "context"))
-      >>> f(jnp.ones((1, 8, 2, 4))).shape
-      (1, 8, 2, 4)
-    """
-    k, v = jax.lax.all_gather(jnp.stack([key, value]), axis, axis=2, tiled=True)
-    b, t, h, d = query.shape
-    q = query.reshape(b, t, k.shape[2], h // k.shape[2], d)
-    s = jnp.einsum("bqgrk,bsgk->bgrqs", q, k, preferred_element_type=jnp.float32) * scale
-    if causal:
-        pos = jnp.asarray(positions)
-        mine = lax.dynamic_slice_in_dim(pos, lax.axis_index(axis) * t, t)
-        s = jnp.where(mine[:, None] >= pos[None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bgrqs,bsgk->bqgrk", p, v.astype(jnp.float32))
-    return out.reshape(query.shape).astype(query.dtype)
 
 
 def ContextParallel(axis: str = "context", method: str = "ring") -> Strategy:

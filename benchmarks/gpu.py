@@ -306,6 +306,9 @@ def main(argv=None) -> int:
                         help="compute dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
     parser.add_argument("--remat", default="none", choices=["none", "full", "dots", "offload"])
     parser.add_argument("--chip", default=None, help="roofline preset (default: the device's)")
+    parser.add_argument("--explain", action="store_true",
+                        help="also px.explain's predicted step time at the largest batch (one "
+                             "more compile per model)")
     parser.add_argument("--comm-max-bytes", default="256M")
     parser.add_argument("--comm-ops", default="all_reduce,all_gather,reduce_scatter")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
@@ -340,6 +343,12 @@ def main(argv=None) -> int:
         flops_token = model_flops_per_token(bench.config)
         seq = bench.config.max_seq_len
         checks.append(f"{model}: {fused_check(device.platform, bench.compute, best.attention)}")
+        if args.explain:  # the roofline's step time against the measured one
+            predicted = px.explain(bench.best_step, bench.abstract, bench.batch(best.rows),
+                                   chip=chip).row("step time").predicted
+            checks.append(f"{model}: px.explain predicts {predicted * 1e3:.1f} ms at batch "
+                          f"{best.rows}, measured {best.px_s * 1e3:.1f} ms "
+                          f"({best.px_s / predicted:.2f}x the roofline)")
         print(f"\n{'model':<11}{'batch x seq':>13}{'px ms':>10}{'tokens/s':>11}{'MFU':>8}"
               f"{'peak GiB':>10}{'px/hand':>9}  attention")
         for p in points:
@@ -362,7 +371,7 @@ def main(argv=None) -> int:
         print("(on CPU the chip preset is a rough stand-in: the MFU column means nothing there; "
               "this run checks that the benchmark works)")
     for line in checks:
-        print(f"fused attention check, {line}")
+        print(line if "px.explain" in line else f"fused attention check, {line}")
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
         if "peak_bytes_in_use" in stats:

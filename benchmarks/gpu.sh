@@ -18,7 +18,7 @@ PYTHON="${PYTHON:-python}"
 args=()
 for arg in "$@"; do
   if [[ "$arg" == "--tiny" ]]; then
-    args+=(--models gpt_tiny,llama_tiny --max-batch 2 --steps 2 --warmup 1 --budget 300
+    args+=(--models gpt_tiny,llama_tiny --max-batch 2 --steps 2 --warmup 1 --budget 300 --explain
            --comm-max-bytes 4K --comm-ops all_reduce)
   else
     args+=("$arg")

@@ -25,7 +25,7 @@ def test_gpu_benchmark_runs_on_cpu_with_the_tiny_config(tmp_path):
     out = done.stdout
     assert "px/hand" in out and "MFU" in out and "tokens/s" in out and "all_reduce" in out
     assert "fused attention check, gpt_tiny: n/a on cpu in float32 (runs xla)" in out
-    assert "6 N + 12 L T D per token" in out
+    assert "6 N + 12 L T D per token" in out and "llama_tiny: px.explain predicts" in out
     text = results.read_text()
     for model in ("gpt_tiny", "llama_tiny"):
         rows = [line for line in text.splitlines() if f"| {model} |" in line]

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# GPU benchmark in one call (under 8 minutes on one H100/H200): MFU of GPT gpt2_124m and
-# gpt2_350m in bf16 through px.train_step and a hand-written jax.jit step, px.explain's
-# predicted step time against the measured one, and `parallax bench comm` on the devices
-# present; rows appended to benchmarks/RESULTS.md (date, versions, device).
+# GPU benchmark in one call (under 8 minutes on one H100/H200): Llama ~1B (Llama 3.2 1B's
+# shape) and GPT-2 350M / 774M at sequence 2048 in bf16 (fp32 master parameters and AdamW),
+# the batch swept up to the largest that fits; MFU (PaLM's 6N + 12LTD model flops over the
+# chip's bf16 peak), tokens/s, compiled memory, px.train_step / a hand-written jax.jit step,
+# and the attention kernel the compiled program runs (the check that cuDNN's fused kernel is
+# the one running). Rows appended to benchmarks/RESULTS.md (date, versions, device).
 #
 #   benchmarks/gpu.sh                  # on a GPU machine
-#   benchmarks/gpu.sh --tiny           # anywhere (CPU: GPT tiny, a few steps; what the tests run)
-#   benchmarks/gpu.sh --results /tmp/RESULTS.md --steps 20
+#   benchmarks/gpu.sh --tiny           # anywhere (CPU: tiny GPT and Llama; what the tests run)
+#   benchmarks/gpu.sh --models llama_1b --remat dots --results /tmp/RESULTS.md
 #
 # The checkout is used in place (PYTHONPATH); nothing is installed.
 set -euo pipefail
@@ -16,7 +18,8 @@ PYTHON="${PYTHON:-python}"
 args=()
 for arg in "$@"; do
   if [[ "$arg" == "--tiny" ]]; then
-    args+=(--models tiny --steps 2 --warmup 1 --comm-max-bytes 4K --comm-ops all_reduce)
+    args+=(--models gpt_tiny,llama_tiny --max-batch 2 --steps 2 --warmup 1 --budget 300 --explain
+           --comm-max-bytes 4K --comm-ops all_reduce)
   else
     args+=("$arg")
   fi

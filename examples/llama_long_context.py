@@ -3,6 +3,7 @@
     python examples/llama_long_context.py --steps 10
     python examples/llama_long_context.py --method all_gather --seq-len 1024 --check
     python examples/llama_long_context.py --precision bf16 --check
+    python examples/llama_long_context.py --precision fp32     # also on a GPU/TPU
 
 Context parallelism splits every sequence over a mesh axis (the zigzag split: device ``i``
 of ``n`` holds chunks ``i`` and ``2n-1-i`` of ``2n``, so causal attention costs every device
@@ -10,7 +11,8 @@ the same); attention runs across the axis either as a ring of K/V blocks (Liu et
 Ring Attention) or as one all-gather of K and V per layer (Llama 3, section 3.3.2). Here it
 is composed with data parallelism and Megatron tensor parallelism on
 ``px.make_mesh(data=2, context=2, tensor=2)`` (8 simulated CPU devices without an
-accelerator), optionally with ``px.MixedPrecision`` (bf16 compute, fp32 master weights).
+accelerator), with ``px.MixedPrecision`` (bf16 compute, fp32 master weights and optimizer)
+by default on a GPU or TPU and float32 on CPU (``--precision`` chooses).
 
 The script prints the per-device memory of the compiled step (XLA's ``memory_analysis``:
 arguments, temporaries) next to the same step compiled for one device, trains a few steps
@@ -26,6 +28,7 @@ compiles on jax 0.10.2 and 0.12.1 (checked from 16 to 4096 tokens; docs/context_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -35,7 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     parser.add_argument("--method", default="ring", choices=["ring", "all_gather"])
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="compute dtype; auto: bf16 on GPU/TPU, fp32 on CPU")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--check", action="store_true",
                         help="also train on one device (fp32) and compare the losses")
@@ -45,22 +49,27 @@ def main(argv=None) -> int:
 
     print(simulate_cpu_devices(8))
     import jax
+    import jax.numpy as jnp
     import optax
     from flax import nnx
 
     import parallax as px
     from parallax.analysis import hlo
     from parallax.cli.demo import batches, demo_tokens
+    from parallax.precision import default_compute_dtype
 
-    config = px.models.LlamaConfig.tiny(max_seq_len=args.seq_len)
+    compute = {"auto": default_compute_dtype(), "fp32": "float32", "bf16": "bfloat16"}[
+        args.precision]
+    # The model computes in its own dtype: bf16 needs it there as well as in the policy.
+    config = px.models.LlamaConfig.tiny(max_seq_len=args.seq_len, dtype=compute)
     mesh = px.make_mesh(devices=jax.devices()[:8], data=2, context=2, tensor=2)
     parts = [px.DataParallel("data"), px.ContextParallel("context", method=args.method),
              px.TensorParallel("tensor")]
-    if args.precision == "bf16":
-        parts.append(px.MixedPrecision(compute="bfloat16"))
+    if compute == "bfloat16":  # float32 master parameters and optimizer
+        parts.append(px.MixedPrecision(compute=compute))
     strategy = px.compose(*parts)
 
-    def make_state():
+    def make_state(config=config):
         return px.TrainState.create(px.models.Llama(config, rngs=nnx.Rngs(0)),
                                     optax.adam(args.lr))
 
@@ -97,9 +106,11 @@ def main(argv=None) -> int:
 
     if not args.check:
         return 0
-    reference = px.testing.train(make_state, px.models.next_token_loss, data).losses
+    fp32 = dataclasses.replace(config, dtype=jnp.float32)  # the reference computes in fp32
+    reference = px.testing.train(lambda: make_state(fp32), px.models.next_token_loss,
+                                 data).losses
     gap = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-    tolerance = 1e-4 if args.precision == "fp32" else 3e-2
+    tolerance = 1e-4 if compute == "float32" else 3e-2
     print(f"\nlargest relative loss difference vs one device (fp32): {gap:.2e} "
           f"(tolerance {tolerance:.0e})")
     return 0 if gap < tolerance else 1

@@ -19,6 +19,11 @@ elsewhere:
 
 A model that skips them computes causal attention in the wrong order under context
 parallelism; ``px.models.GPT`` does both.
+
+Elsewhere the kernel is chosen per backend (:mod:`parallax.attention_kernel`): cuDNN's fused
+flash attention on NVIDIA GPUs in bfloat16/float16, Pallas' splash attention on TPUs, XLA
+on CPU and as the fallback. One knob overrides it: ``px.train_step(..., attention="xla")``
+(or ``dot_product_attention(..., kernel=...)`` for a direct call).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from parallax import context
+from parallax import attention_kernel, context
 
 
 def _heads_axis(ctx) -> str | None:
@@ -57,20 +62,28 @@ def dot_product_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    kernel: str | None = None,
 ) -> jax.Array:
-    """Softmax attention over ``[batch, seq, heads, head_dim]`` arrays.
+    """Softmax attention over ``[batch, seq, heads, head_dim]`` arrays, by the fastest kernel
+    that fits the backend (:func:`parallax.attention_kernel.choose_kernel`).
 
     Under ``px.ContextParallel`` the sequence dimension is split over the context axis in
-    the zigzag order, and causal masking compares global positions.
+    the zigzag order, and causal masking compares global positions; the ring's and the
+    all-gather's own blockwise kernels run there (``docs/performance.md`` says why not cuDNN's).
 
     Args:
       query: ``[B, T, H, K]``.
       key, value: ``[B, S, G, K]`` with ``H`` a multiple of ``G`` (grouped-query attention).
       causal: mask each query from the keys after it.
       scale: the logits' scale; None is ``1 / sqrt(K)``.
+      kernel: ``"auto"``, ``"xla"``, ``"cudnn"`` or ``"pallas"``; None takes the step's
+        ``px.train_step(attention=...)`` (``"auto"`` outside a step).
 
     Returns:
       ``[B, T, H, K]``, as ``jax.nn.dot_product_attention`` returns it.
+
+    Raises:
+      ValueError: ``kernel`` names a kernel that cannot run on this backend, dtype or shape.
 
     Example:
       >>> import jax.numpy as jnp
@@ -87,7 +100,12 @@ def dot_product_attention(
         split, mesh = found
         return split.attention(query, key, value, causal=causal, scale=scale, mesh=mesh,
                                heads_axis=_heads_axis(context.current()))
-    return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=causal)
+    api = "parallax.attention.dot_product_attention"
+    if kernel is None:
+        ctx = context.current()
+        kernel, api = ("auto", api) if ctx is None else (ctx.attention, "px.train_step")
+    choice = attention_kernel.choose_for(query, key, kernel, api)
+    return attention_kernel.run(choice.kernel, query, key, value, causal=causal, scale=scale)
 
 
 def sequence_positions(length: int, api: str = "parallax.attention.sequence_positions"

@@ -57,11 +57,14 @@ class StepContext:
       manual_axes: mesh axes that are manual at this point of the trace (inside the
         ``shard_map`` that ``px.value_and_grad`` opens over the batch axes); sharding
         constraints must not name them.
+      attention: the attention kernel the step asks for (``px.train_step(attention=...)``;
+        ``"auto"``: per backend, :mod:`parallax.attention_kernel`).
     """
 
     mesh: Mesh
     strategy: Strategy
     manual_axes: frozenset[str] = frozenset()
+    attention: str = "auto"
 
 
 _current: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(

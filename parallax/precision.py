@@ -112,3 +112,23 @@ def cast_floating(tree, dtype):
         return x
 
     return jax.tree.map(cast, tree)
+
+
+ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def default_compute_dtype(platform: str | None = None) -> str:
+    """The compute dtype benchmarks and examples default to: ``"bfloat16"`` on a GPU or TPU
+    (their matmul units' fast path; parameters and optimizer stay float32), ``"float32"``
+    on CPU, where bfloat16 brings no speed and the tests compare float32 numbers.
+
+    Args:
+      platform: a ``jax.Device.platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``, ...); None: the
+        default backend's.
+
+    Example:
+      >>> default_compute_dtype("gpu"), default_compute_dtype("tpu"), default_compute_dtype("cpu")
+      ('bfloat16', 'bfloat16', 'float32')
+    """
+    platform = jax.default_backend() if platform is None else platform
+    return "bfloat16" if platform.lower() in ACCELERATORS else "float32"

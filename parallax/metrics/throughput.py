@@ -23,6 +23,7 @@ import jax
 
 from parallax.analysis import hlo
 from parallax.analysis.executed import executed_cost
+from parallax.analysis.kernels import attention_kernels
 from parallax.metrics.device_memory import device_memory
 from parallax.metrics.peak import peak_flops_per_device
 
@@ -64,6 +65,8 @@ class Throughput:
       peak_flops: peak FLOP/s per device instead of the chip table's.
       compiled_peak_bytes: the compiled step's bytes per device (the memory peak where the
         runtime reports none).
+      attention: the attention kernel the step runs (:meth:`for_compiled` reads it from the
+        program: ``"cudnn (4 fused calls)"``, ``"xla"``, ``"none"``), shown in the table.
       clock: seconds since some origin (``time.perf_counter``; tests pass a fake one).
 
     Example:
@@ -83,6 +86,7 @@ class Throughput:
     def __init__(self, *, items_per_step: int, flops_per_step: float | None = None,
                  devices: int | None = None, dtype: str = "float32",
                  peak_flops: float | None = None, compiled_peak_bytes: int | None = None,
+                 attention: str | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         if not (isinstance(items_per_step, int) and items_per_step > 0):
             raise ValueError(f"px.metrics.Throughput: items_per_step must be a positive int "
@@ -97,6 +101,7 @@ class Throughput:
         self.peak_flops, self.peak_source = peak_flops_per_device(dtype=dtype,
                                                                   peak_flops=peak_flops)
         self.compiled_peak_bytes = compiled_peak_bytes
+        self.attention = attention
         self.history: list[StepMetrics] = []
         self._clock = clock
         self._last = clock()
@@ -116,11 +121,12 @@ class Throughput:
     @classmethod
     def for_compiled(cls, compiled, *, items_per_step: int, flops_per_step=None,
                      **kwargs: Any) -> Throughput:
-        """A meter whose FLOPs (executed per device, times the devices) and memory peak are
-        read from a compiled step (``step.lower(...).compile()``)."""
+        """A meter whose FLOPs (executed per device, times the devices), memory peak and
+        attention kernel are read from a compiled step (``step.lower(...).compile()``)."""
         devices = kwargs.pop("devices", None) or _program_devices(compiled)
         if flops_per_step is None:
             flops_per_step = executed_cost(compiled).flops * devices or None
+        kwargs.setdefault("attention", attention_kernels(compiled).summary())
         return cls(items_per_step=items_per_step, flops_per_step=flops_per_step,
                    devices=devices, compiled_peak_bytes=hlo.memory(compiled).peak_bytes,
                    **kwargs)
@@ -192,6 +198,8 @@ class Throughput:
             rows.append(("MFU", f"{100 * s['mfu']:.2f}% of {self.peak_flops:.3g} FLOP/s per "
                                 f"device ({self.peak_source})"))
         rows.append(("memory peak / device", f"{s['memory_peak_bytes'] / 2**20:,.1f} MiB"))
+        if self.attention is not None:
+            rows.append(("attention kernel", self.attention))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 

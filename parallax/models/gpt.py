@@ -33,6 +33,7 @@ from parallax import finite_check
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.token_checks import check_sequence, check_token_ids
 from parallax.models.gpt_moe import apply_moe_blocks, take_stats
+from parallax.models.remat import remat_layer
 from parallax.nn.moe import MoE, aux_loss
 from parallax.nn.layers import (
     CausalSelfAttention,
@@ -185,10 +186,11 @@ class GPT(nnx.Module):
         if self.config.moe is not None:
             return apply_moe_blocks(self, x)  # and keeps the router statistics
         layers = {nnx.PARTITION_NAME: "layers"}  # strip the axis inside, put it back after
+        forward = remat_layer(block_forward, self.config.remat)  # config.remat's checkpoint
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=layers)
         def body(x: jax.Array, block: Block) -> jax.Array:
-            return block_forward(block, x)
+            return forward(block, x)
 
         return body(x, self.blocks)
 

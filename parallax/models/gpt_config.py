@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from parallax.nn.moe_config import MoEConfig
 from parallax.nn.padding import padded_size
+from parallax.models.remat import check_policy
 
 _SIZES = ("vocab_size", "max_seq_len", "num_layers", "num_heads", "embed_dim", "mlp_dim")
 
@@ -40,6 +41,10 @@ class GPTConfig:
         experts' width is ``moe.mlp_dim`` or ``mlp_dim``); None (the default) keeps the
         dense GELU MLP. Train it with ``moe_next_token_loss``, which adds the router's
         auxiliary losses.
+      remat: what the backward recomputes of each scanned block (``jax.checkpoint``):
+        ``"none"`` (the default: nothing), ``"full"``, ``"dots"`` (keep the matmul outputs)
+        or ``"offload"`` (those, in host memory); see :mod:`parallax.models.remat` for the
+        policies and their flops. Under ``px.Pipeline`` the pipeline's own ``remat=`` applies.
 
     Example:
       >>> from parallax.models import GPTConfig
@@ -58,8 +63,10 @@ class GPTConfig:
     param_dtype: Any = jnp.float32
     vocab_pad_multiple: int = 1
     moe: MoEConfig | None = None
+    remat: str = "none"
 
     def __post_init__(self):
+        check_policy(self.remat, "GPTConfig")
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"GPTConfig: moe must be a MoEConfig or None, got "
                             f"{type(self.moe).__name__}: {self.moe!r}.")

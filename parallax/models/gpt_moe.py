@@ -19,6 +19,7 @@ from flax import nnx
 
 from parallax.activations import constrain
 from parallax.comm.varying import to_varying, varying_axes
+from parallax.models.remat import remat_layer
 from parallax.nn.layers import RESIDUAL
 
 
@@ -67,10 +68,11 @@ def moe_block_with_stats_row(block, x: jax.Array) -> jax.Array:
 def apply_moe_blocks(model, x: jax.Array) -> jax.Array:
     """All L MoE blocks as one ``nnx.scan``; the statistics are kept on ``model``."""
     layers = {nnx.PARTITION_NAME: "layers"}
+    forward = remat_layer(moe_block_forward, model.config.remat)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=layers)
     def body(x: jax.Array, block):
-        return moe_block_forward(block, x)
+        return forward(block, x)
 
     x, stats = body(x, model.blocks)
     model.moe_stats = nnx.Intermediate(stats)

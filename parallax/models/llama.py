@@ -32,6 +32,7 @@ from parallax.attention import natural_order, sequence_positions, token_embeddin
 from parallax.models.gpt_pipeline import head_loss
 from parallax.nn.layers import RESIDUAL, WHOLE_SEQUENCE, annotated_param, gather_sequence
 from parallax.models.llama_config import LlamaConfig
+from parallax.models.remat import remat_layer
 from parallax.models.token_checks import check_sequence, check_token_ids
 from parallax.nn.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
 from parallax.nn.padding import mask_padded_logits, padded_init
@@ -170,10 +171,11 @@ class Llama(nnx.Module):
         """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``."""
 
         layers = {nnx.PARTITION_NAME: "layers"}
+        forward = remat_layer(llama_block_forward, self.config.remat)  # config.remat's
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=layers)
         def body(x: jax.Array, block: LlamaBlock) -> jax.Array:
-            return llama_block_forward(block, x)
+            return forward(block, x)
 
         return body(x, self.blocks)
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from parallax.analysis import hlo, program
+from parallax.analysis.kernels import attention_kernels
 from parallax.planner import roofline
 from parallax.planner.predicted import compute as pc
 from parallax.planner.predicted import expert_parallel as pe
@@ -297,6 +298,13 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
     rows.append(Row(COMPUTE, "matmul flops", flops.value if flops else None, measured_flops,
                     unit="flop", how=flops.how if flops else "compiled program",
                     reason=REASONS[flops_reason]))
+    model = pc.model_flops(setting)
+    if model:  # the remat policy's cost: 1 without recomputation
+        policy = getattr(setting.config, "remat", "none")
+        rows.append(Row(COMPUTE, f"compiled / model flops (remat={policy!r})",
+                        flops.value / model, measured_flops / model, unit="x",
+                        how="matmul flops / (6 N + 12 L T D) x tokens (parallax.models.remat)",
+                        reason=REASONS[flops_reason]))
     bub = pc.bubble(setting)
     if bub is not None:
         ticks = program.pipeline_ticks(text)
@@ -309,7 +317,9 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
     rows += _time_rows(setting, step, state, batch, device, link, flops, measured_flops,
                        measured_traffic, timing_steps, accessed)
     facts = {"strategy": strategy.name, "mesh": describe(mesh), "chip": device.name,
-             "link": link.name, "batch": f"{setting.batch_rows} examples"}
+             "link": link.name, "batch": f"{setting.batch_rows} examples",
+             "attention": attention_kernels(text).summary() + (
+                 f" (asked: {step.attention})" if step.attention != "auto" else "")}
     note = pe.replicated_note(setting, mesh.size)
     if note:
         facts["note"] = note

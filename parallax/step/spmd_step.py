@@ -10,7 +10,7 @@ import jax
 from jax.sharding import Mesh
 
 from parallax.step import batch as batch_lib
-from parallax import context, layout, loss_scale
+from parallax import attention_kernel, context, layout, loss_scale
 from parallax import finite_check
 from parallax.step import boundary_checks
 from parallax.mesh import describe
@@ -39,11 +39,12 @@ class TrainStep:
     """
 
     def __init__(self, fn: Callable, mesh: Mesh, strategy: Strategy, donate: bool,
-                 check_finite: bool = False):
+                 check_finite: bool = False, attention: str = "auto"):
         boundary_checks.check_step_fn(fn)
         self.fn, self.mesh, self.strategy, self.donate = fn, mesh, strategy, donate
         self.check_finite = check_finite
-        self._context = context.StepContext(mesh, strategy)
+        self.attention = attention_kernel.check_kernel(attention, "px.train_step")
+        self._context = context.StepContext(mesh, strategy, attention=self.attention)
         self._multiprocess = jax.process_count() > 1
         self._local_signature = None  # this process's batch shapes, last checked
         self._donated = None  # the last state donated: its buffers are deleted
@@ -199,7 +200,7 @@ class TrainStep:
 
 
 def train_step(mesh: Mesh, strategy: Strategy | None = None, *, donate: bool = True,
-               check_finite: bool = False):
+               check_finite: bool = False, attention: str = "auto"):
     """Decorates ``step(state, batch, *args) -> (state, metrics)`` as a jitted SPMD step.
 
     Inside the step the strategy is active: ``px.value_and_grad`` produces and synchronises
@@ -215,6 +216,11 @@ def train_step(mesh: Mesh, strategy: Strategy | None = None, *, donate: bool = T
         batch, the model's checks (the reference GPT's token ids), the loss and the
         gradients of ``px.value_and_grad`` (see :mod:`parallax.finite_check`). Off by default:
         it waits for every step to finish.
+      attention: the kernel of ``parallax.attention.dot_product_attention`` (the models'
+        attention) in this step: ``"auto"`` (cuDNN's fused attention on NVIDIA GPUs in
+        bfloat16/float16, Pallas' splash attention on TPUs, else XLA;
+        :mod:`parallax.attention_kernel`), or ``"xla"``, ``"cudnn"``, ``"pallas"`` to force
+        one (an error where it cannot run). ``px.explain`` shows which one the program runs.
 
     Returns:
       A decorator producing a :class:`TrainStep`.
@@ -233,8 +239,9 @@ def train_step(mesh: Mesh, strategy: Strategy | None = None, *, donate: bool = T
       >>> state, metrics = step(state, batch)
     """
     strategy = checked_strategy(strategy, mesh, "px.train_step")
+    attention_kernel.check_kernel(attention, "px.train_step")
 
     def decorator(fn: Callable) -> TrainStep:
-        return TrainStep(fn, mesh, strategy, donate, check_finite)
+        return TrainStep(fn, mesh, strategy, donate, check_finite, attention)
 
     return decorator

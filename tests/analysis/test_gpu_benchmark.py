@@ -1,4 +1,5 @@
-"""benchmarks/gpu.sh runs on CPU (GPT tiny) and appends its rows to a RESULTS.md."""
+"""benchmarks/gpu.sh runs on CPU (tiny GPT and Llama, float32) and appends its rows to a
+RESULTS.md: the batch sweep, MFU, tokens/s, memory, px / hand-written, the attention kernel."""
 
 import os
 import pathlib
@@ -21,8 +22,25 @@ def test_gpu_benchmark_runs_on_cpu_with_the_tiny_config(tmp_path):
     done = Started(["bash", ROOT / "benchmarks" / "gpu.sh", "--tiny", "--results", results],
                    timeout=600, cwd=None, env=env).finish()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "px/jit" in done.stdout and "MFU px" in done.stdout and "all_reduce" in done.stdout
+    out = done.stdout
+    assert "px/hand" in out and "MFU" in out and "tokens/s" in out and "all_reduce" in out
+    assert "fused attention check, gpt_tiny: n/a on cpu in float32 (runs xla)" in out
+    assert "6 N + 12 L T D per token" in out and "llama_tiny: px.explain predicts" in out
     text = results.read_text()
-    step_rows = [line for line in text.splitlines() if "| tiny |" in line]
-    assert len(step_rows) == 1 and "| cpu" in step_rows[0]
+    for model in ("gpt_tiny", "llama_tiny"):
+        rows = [line for line in text.splitlines() if f"| {model} |" in line]
+        assert rows and all("| cpu" in r and "| float32 | none | xla |" in r for r in rows)
+        assert rows[-1].rstrip(" |").split("|")[-1].strip() != "-"  # px / hand-written
     assert "## Collectives (parallax bench comm)" in text and "| all_reduce | xla |" in text
+
+
+def test_the_fused_attention_check_reads_the_kernel_summary():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert gpu.fused_check("gpu", "bfloat16", "cudnn (4 fused calls)").startswith("PASS")
+    for ran in ("cudnn (NO fused call in the program)", "xla"):
+        assert gpu.fused_check("gpu", "bfloat16", ran).startswith("FAIL"), ran
+    assert gpu.fused_check("gpu", "float32", "xla").startswith("n/a")

@@ -1,8 +1,9 @@
 """Predicted compute of a training step: matmul FLOPs, bytes through memory, the bubble.
 
 The roofline's terms besides the collectives (:mod:`parallax.planner.predicted.traffic`):
-FLOPs are ``flops_per_token`` (PaLM's ``6 N + 12 L T D``) per device, plus the forwards a
-pipeline recomputes; the bytes one device moves through its memory come from the predicted
+FLOPs are ``flops_per_token`` (PaLM's ``6 N + 12 L T D``) per device, plus what the
+model's remat policy recomputes (:mod:`parallax.models.remat`) and the forwards a pipeline
+recomputes; the bytes one device moves through its memory come from the predicted
 state and activations (:mod:`parallax.planner.predicted.memory`); the bubble is the
 pipeline schedule's.
 
@@ -17,6 +18,7 @@ import dataclasses
 
 from parallax.models.gpt_config import flops_per_token, param_count
 from parallax.models.llama_config import LlamaConfig, llama_flops_per_token, llama_param_count
+from parallax.models.remat import recomputed_flops_per_token
 from parallax.planner.predicted.memory import (Estimate, activation_bytes, local_param_bytes,
                                                state_bytes)
 from parallax.planner.setting import StepSetting
@@ -29,8 +31,42 @@ def _arithmetic(config):
     return param_count, flops_per_token
 
 
+def _block_params(c) -> int:
+    count = _arithmetic(c)[0]
+    return (count(dataclasses.replace(c, num_layers=2))
+            - count(dataclasses.replace(c, num_layers=1)))
+
+
+def remat_flops_per_token(config, seq_len: int) -> int:
+    """The matmul flops per token the model's ``remat`` policy adds (0 for ``"none"``).
+
+    Example:
+      >>> from parallax.models import GPTConfig
+      >>> remat_flops_per_token(GPTConfig.tiny(remat="dots"), 64)  # attention once more
+      32768
+    """
+    c, policy = config, getattr(config, "remat", "none")
+    if policy == "none":
+        return 0
+    width = c.num_heads * c.head_dim
+    return recomputed_flops_per_token(policy, c.num_layers * _block_params(c),
+                                      c.num_layers * c.mlp_dim * c.embed_dim,
+                                      4 * c.num_layers * seq_len * width)
+
+
+def model_flops(s: StepSetting) -> float | None:
+    """PaLM's model flops per device per step (``6 N + 12 L T D`` per token, nothing
+    recomputed), or None for models other than the GPT and the Llama."""
+    c = s.config
+    if c is None or s.seq_len is None:
+        return None
+    ways = s.size(s.batch_axes) * s.tensor * s.stages * s.context
+    return _arithmetic(c)[1](c, s.seq_len) * s.batch_rows * s.seq_len / ways
+
+
 def flops(s: StepSetting) -> Estimate | None:
-    """Matmul flops per device per step for a GPT or Llama (None for other models).
+    """Matmul flops per device per step for a GPT or Llama (None for other models): the model
+    flops, plus what the remat policy and a pipeline recompute.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, parallax as px
@@ -50,16 +86,17 @@ def flops(s: StepSetting) -> Estimate | None:
         return None
     tokens = s.batch_rows * s.seq_len
     ways = s.size(s.batch_axes) * s.tensor * s.stages * s.context
-    count, per_token = _arithmetic(c)
-    total = per_token(c, s.seq_len) * tokens
-    how = "(6 N + 12 L T D) x tokens / devices" + (
+    per_token = _arithmetic(c)[1]
+    total = (per_token(c, s.seq_len) + remat_flops_per_token(c, s.seq_len)) * tokens
+    policy = getattr(c, "remat", "none")
+    how = "(6 N + 12 L T D" + (f" + remat={policy!r}'s recomputation" if policy != "none"
+                               else "") + ") x tokens / devices" + (
         f" (N active: top-{c.moe.top_k} of {c.moe.num_experts} experts"
         + (" + the shared expert" if c.moe.shared_mlp_dim else "") + ")"
         if getattr(c, "moe", None) is not None else "")
     p = s.pipeline
     if p is not None and p.remat_fraction:
-        block = (count(dataclasses.replace(c, num_layers=2))
-                 - count(dataclasses.replace(c, num_layers=1)))
+        block = _block_params(c)
         forward = (2 * block + 4 * s.seq_len * c.embed_dim) * c.num_layers * tokens
         total += p.remat_fraction * forward
         how += " + recomputed forwards"

@@ -97,7 +97,12 @@ def microbatch_rows(s: StepSetting) -> float:
 
 
 def activation_bytes(s: StepSetting) -> Estimate | None:
-    """The activations a GPT step keeps for its backward pass, per device (None otherwise)."""
+    """The activations a GPT step keeps for its backward pass, per device (None otherwise).
+
+    Korthikanti et al.'s per-layer bytes; with the model's ``remat`` policy (outside
+    pipelines, which have their own): each layer's input, plus the matmul outputs for
+    ``"dots"``, plus one layer's residuals while it is recomputed.
+    """
     c = s.config
     if c is None or s.seq_len is None:
         return None
@@ -111,6 +116,17 @@ def activation_bytes(s: StepSetting) -> Estimate | None:
     how = "L (s b h (2/σ + 2 + 4/t) + 2 s b F/t + a s² b/t) + s b V/t"
     if s.context_axis is not None:  # pipelines with context parallelism are refused
         return Estimate(*context_parallel.activation_bytes(s, rest, head))
+    policy = getattr(c, "remat", "none")
+    if s.pipeline is None and policy != "none":
+        inputs = c.num_layers * e * seq * b * h / sigma  # each layer's input, kept
+        if policy == "dots":  # the matmul outputs too; one layer's scores while recomputed
+            return Estimate(inputs + c.num_layers * rest + per_layer - rest + head,
+                            "remat='dots': L s b h/σ (layer inputs) + L (s b h (2/σ + 2 + "
+                            "4/t) + 2 s b F/t) + one layer's a s² b/t")
+        # "full", and "offload" (the matmul outputs wait in host memory)
+        return Estimate(inputs + per_layer + head,
+                        f"remat={policy!r}: L s b h/σ (layer inputs) + one layer recomputed"
+                        + (" (matmul outputs in host memory)" if policy == "offload" else ""))
     if s.pipeline is None:
         return Estimate(c.num_layers * per_layer + head, how)
     p = s.pipeline

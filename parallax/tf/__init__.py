@@ -78,6 +78,7 @@ _PARAMETER_SERVER_NAMES = {
     "PerWorkerValues": "parallax.tf.parameter_server.remote_value",
     "RemoteValue": "parallax.tf.parameter_server.remote_value",
     "ServerModel": "parallax.tf.parameter_server.server_model",
+    "ServerOptimizer": "parallax.tf.parameter_server.server_optimizer",
     "ShardedVariable": "parallax.tf.parameter_server.sharded_variable",
     "SparseRows": "parallax.tf.parameter_server.sharded_variable",
     "embedding_lookup": "parallax.tf.parameter_server.embedding",

@@ -73,6 +73,7 @@ from parallax.tf.parameter_server.variable import Variable as Variable
 _PARAMETER_SERVER_NAMES = {
     "ClusterCoordinator": "parallax.tf.parameter_server.coordinator",
     "FunctionCancelledError": "parallax.tf.parameter_server.remote_value",
+    "MissingOptimizerError": "parallax.tf.parameter_server.missing_optimizer",
     "ParameterServerStrategy": "parallax.tf.parameter_server.strategy",
     "PerWorkerIterator": "parallax.tf.parameter_server.remote_value",
     "PerWorkerValues": "parallax.tf.parameter_server.remote_value",

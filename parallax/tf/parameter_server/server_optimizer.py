@@ -10,8 +10,9 @@ the gradients they receive (:class:`parallax.ps.OptaxHandle`). So:
   ``apply_gradients(grads_and_vars)``; created in ``strategy.scope()`` (or after the
   variables: their values are kept, its slots start at their initial values, as Keras
   creates them at the first ``apply_gradients``), it becomes the strategy's optimizer;
-- until a strategy has one, the servers hold :class:`MissingOptimizer`, which refuses a
-  gradient with the reason and the fixes instead of adding it to the values. Variables
+- until a strategy has one, the servers hold
+  :class:`~parallax.tf.parameter_server.missing_optimizer.MissingOptimizer`, which refuses
+  a gradient with the reason and the fixes instead of adding it to the values. Variables
   updated by hand (``assign_sub``, ``assign_add``) need no optimizer.
 
 One strategy has one optimizer (its servers run one handle).
@@ -24,46 +25,9 @@ import optax
 
 from parallax.ps import UPDATE
 from parallax.tf.parameter_server.key_layout import KeyLayout
+from parallax.tf.parameter_server.sharded_variable import ShardedVariable
+from parallax.tf.parameter_server.strategy import ParameterServerStrategy
 from parallax.tf.replica_context import current_scope
-
-NO_OPTIMIZER = (
-    "the parameter servers have no optimizer, and a pushed gradient is what the servers' "
-    "optimizer applies: on Ray the optimizer runs on the servers, next to the variables. "
-    "Give the strategy one (optimizer = px.tf.ServerOptimizer(optax.sgd(0.1)) in "
-    "strategy.scope(), or strategy.set_optimizer(optax.sgd(0.1)); before or after the "
-    "variables exist), or update the variable by hand with assign_sub / assign_add.")
-
-
-class MissingOptimizerError(ValueError):
-    """A gradient was pushed to servers that have no optimizer (see :data:`NO_OPTIMIZER`)."""
-
-
-class MissingOptimizer:
-    """The servers' handle until the strategy has an optimizer: gradients are refused.
-
-    Example:
-      >>> MissingOptimizer().push(np.ones(2), np.ones(2), None)
-      Traceback (most recent call last):
-      ...
-      parallax.tf.parameter_server.server_optimizer.MissingOptimizerError: the parameter ...
-    """
-
-    def init(self, values: np.ndarray) -> None:
-        del values
-
-    def push(self, stored, pushed, state):
-        del stored, pushed, state
-        raise MissingOptimizerError(NO_OPTIMIZER)
-
-    def __eq__(self, other) -> bool:
-        return type(other) is MissingOptimizer
-
-    def __hash__(self) -> int:
-        return hash(MissingOptimizer)
-
-    def __repr__(self) -> str:
-        return "MissingOptimizer()"
-
 
 class ServerOptimizer:
     """An optax optimizer run by the parameter servers, applied with Keras's call.
@@ -97,8 +61,6 @@ class ServerOptimizer:
     """
 
     def __init__(self, tx: optax.GradientTransformation, strategy=None):
-        from parallax.tf.parameter_server.strategy import ParameterServerStrategy
-
         api = "px.tf.ServerOptimizer"
         if not isinstance(tx, optax.GradientTransformation):
             raise TypeError(f"{api}: tx must be an optax GradientTransformation (e.g. "
@@ -125,8 +87,6 @@ class ServerOptimizer:
           ValueError: a gradient of the wrong shape, a variable given twice, no pairs.
           TypeError: a variable that lives elsewhere (not on parameter servers).
         """
-        from parallax.tf.parameter_server.sharded_variable import ShardedVariable
-
         api = "px.tf.ServerOptimizer.apply_gradients"
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:

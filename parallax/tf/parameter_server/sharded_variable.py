@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from parallax.ps import ADD, ASSIGN, UPDATE, HandleError
 from parallax.tf.parameter_server.key_layout import KeyLayout, Shard
-from parallax.tf.parameter_server.server_optimizer import MissingOptimizerError
+from parallax.tf.parameter_server.missing_optimizer import MissingOptimizerError
 
 
 def _bucket(count: int) -> int:

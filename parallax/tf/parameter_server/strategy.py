@@ -27,7 +27,7 @@ from parallax.tf.parameter_server.key_layout import Shard
 from parallax.tf.parameter_server.partitioners import shard_rows
 from parallax.tf.parameter_server.replica_api import ReplicaAPI, WorkerStrategy
 from parallax.tf.parameter_server.server_model import ServerModel
-from parallax.tf.parameter_server.server_optimizer import MissingOptimizer
+from parallax.tf.parameter_server.missing_optimizer import MissingOptimizer
 from parallax.tf.parameter_server.sharded_variable import ShardedVariable
 from parallax.tf.replica_context import cross_replica_scope, current_scope
 

@@ -27,7 +27,9 @@ division, by ``k``, in its ``apply``). So ``k`` micro-batches of ``B/k`` rows wi
 losses step like one batch of ``B`` with ``k`` times the gradient; pass
 ``average_aggregated_gradients=True`` (or divide the loss by ``k``, as PyTorch users do) for
 exactly the big batch. (``px.GradientAccumulation`` and ``px.value_and_grad(microbatches=)``
-take the mean instead: they split one batch.)
+take the mean instead: they split one batch.) An early step with
+``average_aggregated_gradients=True`` still divides by ``k``: the flag is TensorFlow
+Horovod's, whose optimizer never steps early, and torch's optimizer has no such flag.
 """
 
 from __future__ import annotations

@@ -157,10 +157,8 @@ class GPT(nnx.Module):
         create_gpt_params(self, config, rngs, lambda rngs: Block(config, rngs=rngs))
 
     def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """Token plus position embeddings: int ``[B, T]`` -> residual stream ``[B, T, D]``.
-
-        ``positions`` int ``[B, T]`` (natural order): each token's position in its packed
-        document; None: ``0 .. T - 1`` in every row."""
+        """Token plus position embeddings: int ``[B, T]`` -> residual stream ``[B, T, D]``
+        (``positions`` ``[B, T]``: each token's in its packed document; None: ``0 .. T - 1``)."""
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"GPT.embed: tokens must be integer ids, got dtype {tokens.dtype}.")
         if tokens.ndim != 2:
@@ -228,22 +226,19 @@ class GPT(nnx.Module):
                  positions: jax.Array | None = None) -> jax.Array:
         if segment_ids is not None:
             segment_ids = in_sequence_order(segment_ids, "GPT")
-        x = self.apply_blocks(self.embed(tokens, positions), segment_ids)
-        return self.unembed(x)
+        return self.unembed(self.apply_blocks(self.embed(tokens, positions), segment_ids))
 
 
 def next_token_loss(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy over all B * T positions, in float32.
 
     Args:
-      model: a ``GPT`` (any callable from tokens ``[B, T]`` to logits ``[B, T, V]``; with
-        packed rows, one that also takes ``segment_ids=`` and ``positions=``, as ``GPT``
-        and ``Llama`` do).
-      batch: ``{"tokens": int [B, T + 1]}``; inputs are ``tokens[:, :-1]``, targets
+      model: a ``GPT`` (any callable from tokens ``[B, T]`` to logits ``[B, T, V]``, taking
+        ``segment_ids=`` and ``positions=`` too for packed rows, as ``GPT`` and ``Llama`` do).
+      batch: ``{"tokens": int [B, T + 1]}``; inputs ``tokens[:, :-1]``, targets
         ``tokens[:, 1:]``. Packed rows (``parallax.data``) add ``"segment_ids"`` and
-        ``"positions"`` ``[B, T + 1]``: the model attends within documents, and a target
-        in another document than its input (a document's last token) or padding counts
-        zero (:mod:`parallax.models.packed_batch`).
+        ``"positions"`` ``[B, T + 1]``: attention stays within documents; a target in another
+        document (a document's last token) or padding counts zero (``models.packed_batch``).
 
     Returns:
       A float32 scalar: a plain mean over the B * T positions (those that do not count add
@@ -254,9 +249,8 @@ def next_token_loss(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> from parallax.models import GPT, GPTConfig, next_token_loss
-      >>> model = GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0))
       >>> tokens = jnp.arange(34, dtype=jnp.int32).reshape(2, 17)
-      >>> loss = next_token_loss(model, {"tokens": tokens})
+      >>> loss = next_token_loss(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), {"tokens": tokens})
       >>> bool(5.0 < loss < 6.0)  # about log(256) = 5.55 at init
       True
     """

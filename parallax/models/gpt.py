@@ -121,7 +121,8 @@ def block_forward(block: Block, x: jax.Array, *, segment_ids: jax.Array | None =
       >>> block_forward(block, jnp.ones((2, 8, 64))).shape
       (2, 8, 64)
     """
-    x = constrain(x + block.attn(block.ln1(x), segment_ids=segment_ids), RESIDUAL)
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}  # ParallelGPT's: none
+    x = constrain(x + block.attn(block.ln1(x), **packed), RESIDUAL)
     return constrain(x + block.mlp(block.ln2(x)), RESIDUAL)
 
 
@@ -224,8 +225,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
-        if segment_ids is not None:
-            segment_ids = in_sequence_order(segment_ids, "GPT")
+        segment_ids = None if segment_ids is None else in_sequence_order(segment_ids, "GPT")
         return self.unembed(self.apply_blocks(self.embed(tokens, positions), segment_ids))
 
 

@@ -25,7 +25,8 @@ from parallax.nn.layers import RESIDUAL
 def moe_block_forward(block, x: jax.Array, segment_ids: jax.Array | None = None
                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One MoE block: ``(residual stream [B, T, D], this layer's router statistics)``."""
-    x = constrain(x + block.attn(block.ln1(x), segment_ids=segment_ids), RESIDUAL)
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}  # ParallelGPT's: none
+    x = constrain(x + block.attn(block.ln1(x), **packed), RESIDUAL)
     y, stats = block.mlp(block.ln2(x))
     return constrain(x + y, RESIDUAL), stats
 

@@ -80,6 +80,7 @@ def test_held_out_loss_under_fsdp_x_tp_is_the_per_token_mean_on_one_device(tmp_p
     assert rows[-1]["eval_loss"] < metrics["eval_loss"]  # it trained on the same text
 
 
+@pytest.mark.slow
 def test_an_eval_step_reads_a_plain_batch_under_the_strategy():
     mesh, strategy = px.make_mesh(data=8), px.DataParallel("data")
     state = px.init(gpt_state, mesh, strategy)

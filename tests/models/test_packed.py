@@ -32,6 +32,7 @@ def packed_batch(corpus, rows=4, seq_len=15):
     return batches, jax.tree.map(jnp.asarray, next(iter(batches)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_packed_batch_is_its_documents_run_alone(name):
     """The loss (a mean over B * T positions, uncounted targets adding zero) times B * T is
@@ -102,6 +103,7 @@ def test_packed_training_under_fsdp_x_tp_equals_one_device(name):
                                           jax.device_get(reference.final_state.opt_state)) < 1e-5
 
 
+@pytest.mark.slow
 def test_where_packed_rows_are_not_carried_they_are_refused():
     batch = jax.tree.map(jnp.asarray, packed_stream(steps=1, rows=8, seq_len=32)[0])
     state = px.init(lambda: px.TrainState.create(MODELS["gpt"](), optax.sgd(0.1)),

@@ -92,12 +92,15 @@ def packed_stream(steps=3, rows=8, seq_len=16):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_packed_training_under_fsdp_x_tp_equals_one_device(name):
+    """Under FSDP x TP with sequence parallelism and 2 micro-batches: losses, gradients,
+    parameters and optimizer state equal one device's full batches."""
     make = lambda: px.TrainState.create(MODELS[name](), optax.sgd(0.1, 0.9))  # noqa: E731
     data = packed_stream()
     reference = px.testing.train(make, px.models.next_token_loss, data)
     strategy = px.compose(px.FSDP("fsdp"), px.TensorParallel("tensor", sequence_parallel=True))
-    parallel = px.testing.train(make, px.models.next_token_loss, data,
-                                mesh=px.make_mesh(fsdp=4, tensor=2), strategy=strategy)
+    parallel = px.testing.train(make, px.models.next_token_loss, data,  # 2 micro-batches:
+                                mesh=px.make_mesh(fsdp=4, tensor=2), strategy=strategy,
+                                microbatches=2)  # the mean over B * T splits evenly
     px.testing.assert_equivalent(parallel, reference, rtol=1e-5)
     assert px.testing.relative_difference(jax.device_get(parallel.final_state.opt_state),
                                           jax.device_get(reference.final_state.opt_state)) < 1e-5

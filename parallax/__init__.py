@@ -15,6 +15,7 @@ Pick a mesh and a strategy, create the state sharded, decorate a step:
 from parallax import analysis as analysis
 from parallax import checkpoint as checkpoint
 from parallax import comm as comm
+from parallax import data as data
 from parallax import distributed as distributed
 from parallax import metrics as metrics
 from parallax import models as models
@@ -37,7 +38,9 @@ from parallax.metrics import profile as profile
 from parallax.planner.choose import plan as plan
 from parallax.planner.explain import explain as explain
 from parallax.state import TrainState as TrainState
+from parallax.step import EvalStep as EvalStep
 from parallax.step import TrainStep as TrainStep
+from parallax.step import eval_step as eval_step
 from parallax.step import init as init
 from parallax.step import shard as shard
 from parallax.step import train_step as train_step
@@ -64,6 +67,7 @@ __all__ = [
     "BucketedSync",
     "ContextParallel",
     "DataParallel",
+    "EvalStep",
     "ExpertParallel",
     "FSDP",
     "GradientAccumulation",
@@ -81,8 +85,10 @@ __all__ = [
     "comm",
     "compose",
     "constrain",
+    "data",
     "distributed",
     "dynamic_loss_scale",
+    "eval_step",
     "explain",
     "init",
     "loss_scale_metrics",

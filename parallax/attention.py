@@ -63,6 +63,7 @@ def dot_product_attention(
     causal: bool = True,
     scale: float | None = None,
     kernel: str | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention over ``[batch, seq, heads, head_dim]`` arrays, by the fastest kernel
     that fits the backend (:func:`parallax.attention_kernel.choose_kernel`).
@@ -78,6 +79,11 @@ def dot_product_attention(
       scale: the logits' scale; None is ``1 / sqrt(K)``.
       kernel: ``"auto"``, ``"xla"``, ``"cudnn"`` or ``"pallas"``; None takes the step's
         ``px.train_step(attention=...)`` (``"auto"`` outside a step).
+      segment_ids: int ``[B, T]`` (self-attention, ``S == T``): the document each token
+        belongs to in a packed sequence (``parallax.data``); a query attends only to keys
+        of its own document (:func:`document_mask`, combined with ``causal``). Not taken
+        under ``px.ContextParallel`` (refused with the fix); the mask runs in XLA's kernel
+        (the fused ones are not given it yet).
 
     Returns:
       ``[B, T, H, K]``, as ``jax.nn.dot_product_attention`` returns it.
@@ -98,14 +104,58 @@ def dot_product_attention(
     found = _split()
     if found is not None:
         split, mesh = found
+        if segment_ids is not None:
+            raise ValueError(
+                "parallax.attention.dot_product_attention: segment_ids (packed documents) "
+                f"are not taken under context parallelism ({context.current().strategy.name}"
+                f", axis {split.axis!r} of size {mesh.shape[split.axis]}): its ring and "
+                "all-gather attention mask only causally. Train packed batches without "
+                "px.ContextParallel, or pass batches without 'segment_ids' (one document "
+                "per row).")
         return split.attention(query, key, value, causal=causal, scale=scale, mesh=mesh,
                                heads_axis=_heads_axis(context.current()))
     api = "parallax.attention.dot_product_attention"
     if kernel is None:
         ctx = context.current()
         kernel, api = ("auto", api) if ctx is None else (ctx.attention, "px.train_step")
-    choice = attention_kernel.choose_for(query, key, kernel, api)
-    return attention_kernel.run(choice.kernel, query, key, value, causal=causal, scale=scale)
+    mask = None if segment_ids is None else document_mask(segment_ids, query.shape[:2],
+                                                          key.shape[1])
+    choice = attention_kernel.choose_for(query, key, kernel, api, masked=mask is not None)
+    return attention_kernel.run(choice.kernel, query, key, value, causal=causal, scale=scale,
+                                mask=mask)
+
+
+def document_mask(segment_ids: jax.Array, query_shape: tuple[int, int] | None = None,
+                  key_length: int | None = None) -> jax.Array:
+    """Which keys each query may see in a packed sequence: those of its own document.
+
+    Args:
+      segment_ids: int ``[B, T]``, the document of each token (``0``: padding, which sees
+        only padding, so no row of the softmax is empty).
+      query_shape: ``(B, T)`` of the queries, checked against ``segment_ids`` (optional).
+      key_length: S of the keys, which must be T (self-attention; optional).
+
+    Returns:
+      bool ``[B, 1, T, T]`` (broadcast over heads), ``jax.nn.dot_product_attention``'s
+      ``mask``; the causal mask is applied on top by ``is_causal``.
+
+    Example:
+      >>> document_mask(jnp.array([[1, 1, 2]]))[0, 0].astype(int).tolist()
+      [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    api = "parallax.attention.dot_product_attention"
+    shape = tuple(getattr(segment_ids, "shape", ()))
+    if (len(shape) != 2 or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
+            or (query_shape is not None and shape != tuple(query_shape))
+            or (key_length is not None and key_length != shape[-1])):
+        want = "[batch, seq]" if query_shape is None else list(query_shape)
+        raise ValueError(
+            f"{api}: segment_ids must be integer ids {want} (one per query token, "
+            f"self-attention), got shape {list(shape)} dtype "
+            f"{getattr(segment_ids, 'dtype', type(segment_ids).__name__)}"
+            + ("" if key_length is None else f" with {key_length} keys") + "; pass the "
+            "packed batch's 'segment_ids' without the last column, as the tokens.")
+    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
 
 
 def sequence_positions(length: int, api: str = "parallax.attention.sequence_positions"

@@ -103,6 +103,7 @@ def _pallas_misfit(query_len: int, key_len: int, available: bool, manual) -> str
 def choose_kernel(platform: str, dtype, *, head_dim: int, query_len: int, key_len: int,
                   requested: str = "auto", compute_capability: str | None = None,
                   pallas: bool | None = None, manual_axes: frozenset[str] = frozenset(),
+                  masked: bool = False,
                   api: str = "parallax.attention.dot_product_attention") -> KernelChoice:
     """The attention kernel for a backend, dtype and shape: a pure function.
 
@@ -117,6 +118,8 @@ def choose_kernel(platform: str, dtype, *, head_dim: int, query_len: int, key_le
       manual_axes: mesh axes manual where attention runs (inside the explicit style's
         ``shard_map``). A Pallas call's outputs carry no varying-axes type, which that
         ``shard_map`` checks, so the Pallas kernel runs only where none is manual.
+      masked: a document mask (packed ``segment_ids``) comes with the call; only XLA's
+        kernel is given it so far (cuDNN's and splash's segment forms are not wired).
       api: named in errors.
 
     Returns:
@@ -147,6 +150,9 @@ def choose_kernel(platform: str, dtype, *, head_dim: int, query_len: int, key_le
                                   pallas_available() if pallas is None else pallas, manual_axes)),
         "xla": "",
     }
+    if masked:
+        packed = "packed documents (segment_ids) mask only in XLA's kernel so far"
+        misfits = {k: (why or packed) if k != "xla" else why for k, why in misfits.items()}
     if requested != "auto":
         why = misfits[requested]
         if why:
@@ -184,7 +190,8 @@ def device_facts(device=None) -> tuple[str, str | None]:
     return platform, getattr(device, "compute_capability", None)
 
 
-def choose_for(query: jax.Array, key: jax.Array, requested: str, api: str) -> KernelChoice:
+def choose_for(query: jax.Array, key: jax.Array, requested: str, api: str, *,
+               masked: bool = False) -> KernelChoice:
     """:func:`choose_kernel` for these arrays on the step's devices (else the default ones)."""
     ctx = context.current()
     platform, capability = device_facts(ctx.mesh.devices.flat[0] if ctx is not None else None)
@@ -192,18 +199,20 @@ def choose_for(query: jax.Array, key: jax.Array, requested: str, api: str) -> Ke
                          query_len=query.shape[1], key_len=key.shape[1], requested=requested,
                          compute_capability=capability,
                          manual_axes=ctx.manual_axes if ctx is not None else frozenset(),
-                         api=api)
+                         masked=masked, api=api)
 
 
-def run(kernel: str, query, key, value, *, causal: bool, scale: float | None) -> jax.Array:
+def run(kernel: str, query, key, value, *, causal: bool, scale: float | None,
+        mask: jax.Array | None = None) -> jax.Array:
     """Attention ``[B, T, H, K] x [B, S, G, K] -> [B, T, H, K]`` with ``kernel``, tagged in the
-    compiled program by the scope ``parallax.attention[<kernel>]``."""
+    compiled program by the scope ``parallax.attention[<kernel>]``; ``mask`` (bool, broadcast
+    to ``[B, H, T, S]``) only with ``"xla"``."""
     with jax.named_scope(f"parallax.attention[{kernel}]"):
         if kernel == "pallas":
             return _splash(query, key, value, causal=causal, scale=scale)
         implementation = "cudnn" if kernel == "cudnn" else None
-        return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=causal,
-                                            implementation=implementation)
+        return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale,
+                                            is_causal=causal, implementation=implementation)
 
 
 def _splash_call(q, k, v, *, causal: bool, scale: float, interpret: bool):

@@ -610,6 +610,31 @@ CASES = [
     ("checkpoint", "a manager that keeps nothing",
      lambda tmp: px.checkpoint.Manager(tmp, max_to_keep=0), V,
      r"px.checkpoint.Manager: max_to_keep must be >= 1, got 0."),
+    # px.data
+    ("data", "a folder without a tokenizer.json",
+     lambda tmp: px.data.load_tokenizer(tmp), FileNotFoundError,
+     r"parallax.data.load_tokenizer: no tokenizer.json at .*; offline, train one with"),
+    ("data", "a folder without text files",
+     lambda tmp: px.data.read_text_files(tmp), FileNotFoundError,
+     r"parallax.data.read_text_files: no files match '\*\*/\*.txt' under"),
+    ("data", "an unknown packing method",
+     lambda _: px.data.pack([3], 4, method="greedy"), V,
+     r"parallax.data.pack: method='greedy'; use one of \('whole', 'split'\)"),
+    ("data", "a loader's batch that does not split over the mesh",
+     lambda _: px.data.PackedBatches(px.data.Corpus.from_documents([[1, 2, 3]]), seq_len=2,
+                                     global_batch=6, mesh=MESH, strategy=DP), V,
+     r"a global batch of 6 rows does not split over the 8 batch shards \(data=8\)"),
+    ("data", "resuming a loader on other data",
+     lambda _: iter(px.data.PackedBatches(px.data.Corpus.from_documents([[1, 2]]), seq_len=2,
+                                          global_batch=1)).set_state(
+         iter(px.data.PackedBatches(px.data.Corpus.from_documents([[1, 3]]), seq_len=2,
+                                    global_batch=1)).get_state()), V,
+     r"the saved data state does not match this loader \(corpus: saved '[0-9a-f]+'"),
+    ("data", "segment ids not shaped like the queries",
+     lambda _: px.attention.dot_product_attention(
+         jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)),
+         segment_ids=jnp.ones((1, 5), jnp.int32)), V,
+     r"dot_product_attention: segment_ids must be integer ids \[1, 4\] \(one per query"),
 ]
 IDS = [f"{i + 1:03d}/{len(CASES)} {area}: {what}" for i, (area, what, *_) in enumerate(CASES)]
 SLOW = {gpt_with_ids}  # compiles a GPT step (over 5 s)

@@ -21,7 +21,7 @@ RAY = ("parallax.ps.", "parallax.rpc.", "parallax.ray_cluster.", "parallax.tf.pa
 # time"): the fast lane (-m "not slow") leaves them out.
 SLOW = {"parallax.horovod.adasum", "parallax.models.gpt", "parallax.nn.layers",
         "parallax.models.llama", "parallax.nn.llama_layers", "parallax.nn.moe",
-        "parallax.pipeline.update", "parallax.ps.kvstore", "parallax.ps.simple_app",
+        "parallax.metrics.evaluation", "parallax.pipeline.update", "parallax.ps.kvstore", "parallax.ps.simple_app",
         "parallax.ps.worker", "parallax.ps.workers", "parallax.strategies.context_parallel.strategy",
         "parallax.strategies.context_parallel.stage_groups",
         "parallax.strategies.context_parallel.ring", "parallax.testing",

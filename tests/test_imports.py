@@ -26,6 +26,7 @@ LAYERS = (
     ("step",),  # around the user's step: init, shard, train_step, the batch
     ("grad",),  # around gradients: value_and_grad, producers, micro-batches, module state
     ("distributed", "checkpoint"),  # jax.distributed and Orbax, placing by the core's layouts
+    ("data",),  # tokenizers, packing, per-process resumable batches (process_slice below)
     ("pipeline",),  # the parallelisms
     ("strategies",),
     ("nn",),  # layers (nn.tensor_parallel runs them under px.TensorParallel's rules)

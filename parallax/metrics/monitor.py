@@ -60,8 +60,10 @@ class Monitor:
       unit: the items' name in the bar (``"tok"``, ``"ex"``).
       first_step: the number of the loop's first step (a resumed run's next step).
 
-    Use :meth:`loop` around the batches and :meth:`step` after each step; :meth:`close`
-    (or ``with``) ends the trace and the log; :meth:`table` is the summary.
+    Use :meth:`loop` around the batches and :meth:`step` after each step; :meth:`record`
+    adds values measured now and then (a held-out evaluation's loss and perplexity, from
+    :class:`~parallax.metrics.Evaluation`) to the log and keeps them in the bar;
+    :meth:`close` (or ``with``) ends the trace and the log; :meth:`table` is the summary.
 
     Example:
       >>> import jax, jax.numpy as jnp, tempfile
@@ -104,6 +106,7 @@ class Monitor:
         self.profiler = steps and Profiler(self.logdir or DEFAULT_PROFILE_DIR, steps)
         self.log = MetricsLog(self.logdir) if self.logdir is not None else None
         self._bar = None
+        self._recorded: dict[str, Any] = {}  # shown in the bar until recorded again
 
     @classmethod
     def for_compiled(cls, compiled, *, items_per_step: int, flops_per_step=None,
@@ -156,11 +159,34 @@ class Monitor:
         self.next_step += 1
         return measured
 
+    def record(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Logs ``values`` at ``step`` (default: the last step measured) and shows them in
+        the bar from now on, beside each step's fields, until recorded again.
+
+        Example:
+          >>> monitor = Monitor(items_per_step=8, progress=False)
+          >>> monitor.record({"eval_loss": 2.0, "eval_perplexity": 7.389})
+          >>> measured = StepMetrics(1, 0.5, 0.0, 16.0, 2.0, None, None, 0, None)
+          >>> monitor.postfix(measured, loss=2.1)["eval_loss"]
+          '2.0000'
+        """
+        values = dict(values)
+        if self.log:
+            self.log.write(self.next_step - 1 if step is None else step, values)
+        self._recorded.update(values)
+        if self._bar is not None:
+            self._bar.set_postfix(self._recorded_fields(), refresh=True)
+
+    def _recorded_fields(self) -> dict[str, str]:
+        return {name: f"{float(value):.4f}" if _is_number(value) else str(value)
+                for name, value in self._recorded.items()}
+
     def postfix(self, measured: StepMetrics, **shown: Any) -> dict[str, str]:
-        """The bar's fields: ``shown`` (numbers to 4 decimals) then the step's metrics."""
+        """The bar's fields: ``shown`` (numbers to 4 decimals), then the values
+        :meth:`record` keeps, then the step's metrics."""
         fields = {name: f"{float(value):.4f}" if _is_number(value) else str(value)
                   for name, value in shown.items()}
-        return fields | measured.postfix(self.unit)
+        return fields | self._recorded_fields() | measured.postfix(self.unit)
 
     def table(self, skip: int = 1) -> str:
         """The summary (medians after the first ``skip`` steps), and where logs and traces

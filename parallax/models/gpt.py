@@ -23,16 +23,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax.attention import (
-    natural_order,
-    sequence_positions,
-    token_embeddings,
-    whole_labels,
-)
+from parallax.attention import (in_sequence_order, natural_order, sequence_positions,
+                                token_embeddings, whole_labels)
 from parallax import finite_check
 from parallax.models.gpt_config import GPTConfig
-from parallax.models.token_checks import check_sequence, check_token_ids
+from parallax.models.token_checks import check_positions, check_sequence, check_token_ids
 from parallax.models.gpt_moe import apply_moe_blocks, take_stats
+from parallax.models.packed_batch import split_batch
 from parallax.models.remat import remat_layer
 from parallax.nn.moe import MoE, aux_loss
 from parallax.nn.layers import (
@@ -92,11 +89,12 @@ class Block(nnx.Module):
             self.mlp = MoE(d, config.moe, mlp_dim=config.mlp_dim, rngs=rngs, out_init=resid,
                            **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return block_forward(self, x)
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
+        return block_forward(self, x, segment_ids=segment_ids)
 
 
-def block_forward(block: Block, x: jax.Array) -> jax.Array:
+def block_forward(block: Block, x: jax.Array, *, segment_ids: jax.Array | None = None
+                  ) -> jax.Array:
     """Applies one transformer block (unstacked params) to the residual stream.
 
     ``GPT.apply_blocks`` scans this over the stacked blocks; a pipeline stage can scan it over
@@ -105,6 +103,7 @@ def block_forward(block: Block, x: jax.Array) -> jax.Array:
     Args:
       block: a ``Block`` whose params have no ``"layers"`` axis (one slice of ``GPT.blocks``).
       x: the residual stream ``[B, T, D]``.
+      segment_ids: int ``[B, T]`` of packed documents (attention stays inside each), or None.
 
     Returns:
       The residual stream after attention and MLP, ``[B, T, D]``.
@@ -118,7 +117,8 @@ def block_forward(block: Block, x: jax.Array) -> jax.Array:
       >>> block_forward(block, jnp.ones((2, 8, 64))).shape
       (2, 8, 64)
     """
-    x = constrain(x + block.attn(block.ln1(x)), RESIDUAL)
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}  # ParallelGPT's: none
+    x = constrain(x + block.attn(block.ln1(x), **packed), RESIDUAL)
     return constrain(x + block.mlp(block.ln2(x)), RESIDUAL)
 
 
@@ -132,6 +132,8 @@ class GPT(nnx.Module):
     Returns:
       Calling the module on int tokens ``[B, T]`` (T <= max_seq_len) gives float32 logits
       ``[B, T, padded_vocab_size]`` (``vocab_size`` unless ``vocab_pad_multiple`` pads it).
+      Packed rows (``parallax.data``) also pass ``segment_ids=`` and ``positions=`` (int
+      ``[B, T]``): attention stays inside each document and positions restart with it.
 
     Example:
       >>> import jax.numpy as jnp
@@ -151,13 +153,15 @@ class GPT(nnx.Module):
         self.config = config
         create_gpt_params(self, config, rngs, lambda rngs: Block(config, rngs=rngs))
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        """Token plus position embeddings: int ``[B, T]`` -> residual stream ``[B, T, D]``."""
+    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Token plus position embeddings: int ``[B, T]`` -> residual stream ``[B, T, D]``
+        (``positions`` ``[B, T]``: each token's in its packed document; None: ``0 .. T - 1``)."""
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"GPT.embed: tokens must be integer ids, got dtype {tokens.dtype}.")
         if tokens.ndim != 2:
             raise ValueError(f"GPT.embed: tokens must be [batch, seq], got {list(tokens.shape)}.")
         seq = tokens.shape[1]
+        check_positions("GPT.embed", tokens, positions)
         if seq > self.config.max_seq_len:
             raise ValueError(
                 f"GPT.embed: sequence length {seq} exceeds max_seq_len="
@@ -165,7 +169,7 @@ class GPT(nnx.Module):
             )
         # Under context parallelism the sequence is held in the zigzag order: token ids and
         # positions are read in it (positions stay global), checked before the generic split.
-        positions = sequence_positions(seq, "GPT.embed")
+        order = sequence_positions(seq, "GPT.embed")
         check_sequence("GPT.embed", seq)
         # An id outside the vocabulary reads a NaN row (jnp.take's fill). Concrete ids are
         # checked here; under jit, px.train_step(check_finite=True) names this check.
@@ -173,6 +177,8 @@ class GPT(nnx.Module):
         check_token_ids("GPT.embed", tokens, vocab)
         finite_check.require(f"GPT.embed: token ids within [0, {vocab})",
                        lambda: ((tokens >= 0) & (tokens < vocab)).all())
+        # Packed documents: positions restart with each (read in the model's order).
+        positions = order if positions is None else in_sequence_order(positions, "GPT.embed")
         x = token_embeddings(self.wte[...], tokens, "GPT.embed") + jnp.take(
             self.wpe[...], positions, axis=0)
         # Under sequence parallelism: all-reduce the vocabulary-parallel lookup, then split
@@ -180,13 +186,14 @@ class GPT(nnx.Module):
         x = gather_sequence(x.astype(self.config.dtype), WHOLE_SEQUENCE)
         return constrain(x, RESIDUAL)
 
-    def apply_blocks(self, x: jax.Array) -> jax.Array:
-        """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``."""
-
+    def apply_blocks(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``
+        (``segment_ids`` ``[B, T]`` in the model's order, for packed documents)."""
         if self.config.moe is not None:
-            return apply_moe_blocks(self, x)  # and keeps the router statistics
+            return apply_moe_blocks(self, x, segment_ids)  # and keeps the router statistics
         layers = {nnx.PARTITION_NAME: "layers"}  # strip the axis inside, put it back after
-        forward = remat_layer(block_forward, self.config.remat)  # config.remat's checkpoint
+        forward = remat_layer(lambda block, x: block_forward(block, x, segment_ids=segment_ids),
+                              self.config.remat)  # config.remat's checkpoint
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=layers)
         def body(x: jax.Array, block: Block) -> jax.Array:
@@ -213,44 +220,44 @@ class GPT(nnx.Module):
             logits = mask_padded_logits(logits, self.config.vocab_size)
         return constrain(logits, ("batch", None, "vocab"))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.unembed(self.apply_blocks(self.embed(tokens)))
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        segment_ids = None if segment_ids is None else in_sequence_order(segment_ids, "GPT")
+        return self.unembed(self.apply_blocks(self.embed(tokens, positions), segment_ids))
 
 
 def next_token_loss(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy over all B * T positions, in float32.
 
     Args:
-      model: a ``GPT`` (any callable from tokens ``[B, T]`` to logits ``[B, T, V]``).
-      batch: ``{"tokens": int [B, T + 1]}``; inputs are ``tokens[:, :-1]``, targets
-        ``tokens[:, 1:]``.
+      model: a ``GPT`` (any callable from tokens ``[B, T]`` to logits ``[B, T, V]``, taking
+        ``segment_ids=`` and ``positions=`` too for packed rows, as ``GPT`` and ``Llama`` do).
+      batch: ``{"tokens": int [B, T + 1]}``; inputs ``tokens[:, :-1]``, targets
+        ``tokens[:, 1:]``. Packed rows (``parallax.data``) add ``"segment_ids"`` and
+        ``"positions"`` ``[B, T + 1]``: attention stays within documents; a target in another
+        document (a document's last token) or padding counts zero (``models.packed_batch``).
 
     Returns:
-      A float32 scalar: a plain mean, so every position weighs the same and the mean of
-      equal-sized shards' losses is the full batch's (what data parallelism relies on).
+      A float32 scalar: a plain mean over the B * T positions (those that do not count add
+      zero), so every position weighs the same and the mean of equal-sized shards' losses
+      is the full batch's (what data parallelism relies on).
 
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> from parallax.models import GPT, GPTConfig, next_token_loss
-      >>> model = GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0))
       >>> tokens = jnp.arange(34, dtype=jnp.int32).reshape(2, 17)
-      >>> loss = next_token_loss(model, {"tokens": tokens})
+      >>> loss = next_token_loss(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), {"tokens": tokens})
       >>> bool(5.0 < loss < 6.0)  # about log(256) = 5.55 at init
       True
     """
-    tokens = batch["tokens"]
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise ValueError(
-            f"next_token_loss: batch['tokens'] must have shape [batch, seq + 1] with "
-            f"seq >= 1, got {list(tokens.shape)}."
-        )
+    inputs, targets, packed, weights = split_batch("next_token_loss", batch)
     config = getattr(model, "config", None)
     if isinstance(config, GPTConfig):  # the targets too: the last column is never embedded
-        check_token_ids("next_token_loss", tokens, config.vocab_size)
-    logits = jnp.asarray(model(tokens[:, :-1]), jnp.float32)
-    losses = cross_entropy(logits, whole_labels(tokens[:, 1:]))
-    return jnp.mean(losses)
+        check_token_ids("next_token_loss", batch["tokens"], config.vocab_size)
+    logits = jnp.asarray(model(inputs, **packed), jnp.float32)
+    losses = cross_entropy(logits, whole_labels(targets))
+    return jnp.mean(losses if weights is None else losses * weights)
 
 
 def moe_next_token_loss(model: GPT, batch: Mapping[str, jax.Array]):

@@ -23,9 +23,11 @@ from parallax.models.remat import remat_layer
 from parallax.nn.layers import RESIDUAL
 
 
-def moe_block_forward(block, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+def moe_block_forward(block, x: jax.Array, segment_ids: jax.Array | None = None
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One MoE block: ``(residual stream [B, T, D], this layer's router statistics)``."""
-    x = constrain(x + block.attn(block.ln1(x)), RESIDUAL)
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}  # ParallelGPT's: none
+    x = constrain(x + block.attn(block.ln1(x), **packed), RESIDUAL)
     y, stats = block.mlp(block.ln2(x))
     return constrain(x + y, RESIDUAL), stats
 
@@ -65,10 +67,12 @@ def moe_block_with_stats_row(block, x: jax.Array) -> jax.Array:
     return jnp.concatenate([y, row + added], axis=1)
 
 
-def apply_moe_blocks(model, x: jax.Array) -> jax.Array:
-    """All L MoE blocks as one ``nnx.scan``; the statistics are kept on ``model``."""
+def apply_moe_blocks(model, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """All L MoE blocks as one ``nnx.scan``; the statistics are kept on ``model``.
+    (``segment_ids``: packed documents; the router's statistics count padding tokens too.)"""
     layers = {nnx.PARTITION_NAME: "layers"}
-    forward = remat_layer(moe_block_forward, model.config.remat)
+    forward = remat_layer(lambda block, x: moe_block_forward(block, x, segment_ids),
+                          model.config.remat)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=layers)
     def body(x: jax.Array, block):

@@ -40,6 +40,7 @@ from parallax.models.gpt_moe import (
     split_stats_row,
     with_stats_row,
 )
+from parallax.models.packed_batch import refuse_packed
 from parallax.nn.moe import MoE, aux_loss
 from parallax.pipeline.stages import Stages
 
@@ -51,6 +52,7 @@ def _tokens(batch: Mapping[str, jax.Array]) -> jax.Array:
             f"next_token_stages: batch['tokens'] must have shape [batch, seq + 1] with "
             f"seq >= 1, got {list(tokens.shape)}."
         )
+    refuse_packed("next_token_stages", batch, "a pipeline's stages")
     return tokens
 
 

@@ -28,12 +28,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.activations import constrain
-from parallax.attention import natural_order, sequence_positions, token_embeddings
+from parallax.attention import (in_sequence_order, natural_order, sequence_positions,
+                                token_embeddings)
 from parallax.models.gpt_pipeline import head_loss
 from parallax.nn.layers import RESIDUAL, WHOLE_SEQUENCE, annotated_param, gather_sequence
 from parallax.models.llama_config import LlamaConfig
+from parallax.models.packed_batch import refuse_packed
 from parallax.models.remat import remat_layer
-from parallax.models.token_checks import check_sequence, check_token_ids
+from parallax.models.token_checks import check_positions, check_sequence, check_token_ids
 from parallax.nn.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
 from parallax.nn.padding import mask_padded_logits, padded_init
 from parallax.nn.rope import rope_frequencies
@@ -80,12 +82,18 @@ class LlamaBlock(nnx.Module):
         self.mlp_norm = RMSNorm(c.embed_dim, epsilon=c.norm_eps, **kw)
         self.mlp = SwiGLU(c.embed_dim, c.mlp_dim, rngs=rngs, **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return llama_block_forward(self, x)
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        return llama_block_forward(self, x, segment_ids=segment_ids, positions=positions)
 
 
-def llama_block_forward(block: LlamaBlock, x: jax.Array) -> jax.Array:
+def llama_block_forward(block: LlamaBlock, x: jax.Array, *,
+                        segment_ids: jax.Array | None = None,
+                        positions: jax.Array | None = None) -> jax.Array:
     """Applies one Llama block (unstacked params) to the residual stream ``[B, T, D]``.
+
+    Packed documents pass ``segment_ids`` and ``positions`` (int ``[B, T]``, in the model's
+    order): attention stays inside each document and RoPE rotates by the position in it.
 
     Example:
       >>> import jax.numpy as jnp
@@ -95,8 +103,10 @@ def llama_block_forward(block: LlamaBlock, x: jax.Array) -> jax.Array:
       >>> llama_block_forward(block, jnp.ones((2, 8, 64))).shape
       (2, 8, 64)
     """
-    positions = token_positions(x.shape[1])
-    x = constrain(x + block.attn(block.attn_norm(x), positions), RESIDUAL)
+    if positions is None:
+        positions = token_positions(x.shape[1])
+    x = constrain(x + block.attn(block.attn_norm(x), positions, segment_ids=segment_ids),
+                  RESIDUAL)
     return constrain(x + block.mlp(block.mlp_norm(x)), RESIDUAL)
 
 
@@ -109,7 +119,9 @@ class Llama(nnx.Module):
 
     Returns:
       Calling the module on int tokens ``[B, T]`` gives float32 logits
-      ``[B, T, padded_vocab_size]``.
+      ``[B, T, padded_vocab_size]``. Packed rows (``parallax.data``) also pass
+      ``segment_ids=`` and ``positions=`` (int ``[B, T]``): attention stays inside each
+      document and RoPE rotates by the position in it.
 
     Example:
       >>> import jax.numpy as jnp
@@ -167,11 +179,15 @@ class Llama(nnx.Module):
         # As the GPT: all-reduce the vocabulary-parallel lookup, then split the sequence.
         return constrain(gather_sequence(x, WHOLE_SEQUENCE), RESIDUAL)
 
-    def apply_blocks(self, x: jax.Array) -> jax.Array:
-        """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``."""
+    def apply_blocks(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None) -> jax.Array:
+        """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``
+        (packed documents: ``segment_ids``, ``positions`` ``[B, T]`` in the model's order)."""
 
         layers = {nnx.PARTITION_NAME: "layers"}
-        forward = remat_layer(llama_block_forward, self.config.remat)  # config.remat's
+        forward = remat_layer(  # config.remat's checkpoint
+            lambda block, x: llama_block_forward(block, x, segment_ids=segment_ids,
+                                                 positions=positions), self.config.remat)
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=layers)
         def body(x: jax.Array, block: LlamaBlock) -> jax.Array:
@@ -192,8 +208,15 @@ class Llama(nnx.Module):
             logits = mask_padded_logits(logits, self.config.vocab_size)
         return constrain(logits, ("batch", None, "vocab"))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.unembed(self.apply_blocks(self.embed_tokens(tokens)))
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        check_positions("Llama", tokens, positions)
+        if segment_ids is not None:
+            segment_ids = in_sequence_order(segment_ids, "Llama")
+        if positions is not None:
+            positions = in_sequence_order(positions, "Llama")
+        x = self.apply_blocks(self.embed_tokens(tokens), segment_ids, positions)
+        return self.unembed(x)
 
 
 def _first(model: Llama, batch: Mapping[str, jax.Array]) -> jax.Array:
@@ -201,6 +224,7 @@ def _first(model: Llama, batch: Mapping[str, jax.Array]) -> jax.Array:
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"llama_stages: batch['tokens'] must have shape [batch, seq + 1] with "
                          f"seq >= 1, got {list(tokens.shape)}.")
+    refuse_packed("llama_stages", batch, "a pipeline's stages")
     return model.embed_tokens(tokens[:, :-1])
 
 

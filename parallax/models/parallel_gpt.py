@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from parallax.models.packed_batch import refuse_packed
 from parallax.models.gpt import block_forward, create_gpt_params
 from parallax.models.gpt_config import GPTConfig
 from parallax.nn.layers import LayerNorm
@@ -133,5 +134,6 @@ def parallel_next_token_loss(model: ParallelGPT, batch: Mapping[str, jax.Array])
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError("parallel_next_token_loss: batch['tokens'] must have shape "
                          f"[batch, seq + 1] with seq >= 1, got {list(tokens.shape)}.")
+    refuse_packed("parallel_next_token_loss", batch, "ParallelGPT")
     logits = model(tokens[:, :-1])
     return jnp.mean(vocab_parallel_cross_entropy(logits, tokens[:, 1:], axis=model.axis))

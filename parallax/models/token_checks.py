@@ -33,6 +33,24 @@ def check_sequence(api: str, seq: int) -> None:
         )
 
 
+def check_positions(api: str, tokens, positions) -> None:
+    """Refuses per-token ``positions`` (packed documents) not shaped and typed as ``tokens``.
+
+    Example:
+      >>> import numpy as np
+      >>> check_positions("GPT.embed", np.zeros((1, 3), int), np.arange(3)[None])
+    """
+    if positions is None:
+        return
+    if (tuple(positions.shape) != tuple(tokens.shape)
+            or not np.issubdtype(np.dtype(positions.dtype), np.integer)):
+        raise ValueError(
+            f"{api}: positions must be integer positions shaped like the tokens "
+            f"{list(tokens.shape)} (each token's position in its packed document), got shape "
+            f"{list(positions.shape)} dtype {positions.dtype}; pass the packed batch's "
+            "'positions' without the last column, as the tokens.")
+
+
 def check_token_ids(api: str, tokens, vocab_size: int) -> None:
     """Refuses concrete token ids outside ``[0, vocab_size)``; traced ids pass unchecked.
 

@@ -240,7 +240,8 @@ class CausalSelfAttention(nnx.Module):
         self.value = Dense((d,), (h, k), names, kernel_init=kernel_init, **kw)
         self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), kernel_init=out_init, **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
+        """``segment_ids`` ``[B, T]``: packed documents, attended to separately."""
         # Megatron's fused QKV: one matmul against the kernels stacked on a new axis, so the
         # backward sums the three input gradients before one all-reduce (not three).
         dtype = self.query.dtype or x.dtype
@@ -251,7 +252,7 @@ class CausalSelfAttention(nnx.Module):
         q = constrain(qkv[..., 0, :, :] + jnp.asarray(self.query.bias[...], dtype), HEADS)
         k = constrain(qkv[..., 1, :, :], HEADS)
         v = constrain(qkv[..., 2, :, :] + jnp.asarray(self.value.bias[...], dtype), HEADS)
-        y = dot_product_attention(q, k, v, causal=True)  # [B, T, H, K]
+        y = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, T, H, K]
         return self.out(constrain(y, HEADS))
 
 

@@ -64,7 +64,8 @@ class GroupedQueryAttention(nnx.Module):
     """Causal self-attention with H query heads sharing G key/value heads, and RoPE.
 
     Called as ``attn(x, positions)`` with each token's position ``[T]``
-    (``parallax.models.llama.token_positions``).
+    (``parallax.models.llama.token_positions``), or ``[B, T]`` with ``segment_ids`` ``[B, T]``
+    for packed documents (positions restarting at each document, attention kept inside it).
     The attention core is ``parallax.attention.dot_product_attention``, which takes k/v with
     fewer heads, so a context-parallel strategy that replaces it applies here too.
 
@@ -101,13 +102,14 @@ class GroupedQueryAttention(nnx.Module):
         self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), **kw)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, *,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         x = gather_sequence(x, WHOLE_SEQUENCE)
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q = constrain(apply_rotary(self.query(x), positions, inv_freq), HEADS)
         k = constrain(apply_rotary(self.key(x), positions, inv_freq), KV_HEADS)
         v = constrain(self.value(x), KV_HEADS)
-        y = dot_product_attention(q, k, v, causal=True)  # [B, T, H, K]
+        y = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, T, H, K]
         return self.out(constrain(y, HEADS))
 
 

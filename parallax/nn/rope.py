@@ -93,14 +93,15 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0,
 
 
 def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates the heads of ``x`` ``[B, T, H, K]`` by their tokens' positions ``[T]``.
+    """Rotates the heads of ``x`` ``[B, T, H, K]`` by their tokens' positions ``[T]`` (or
+    ``[B, T]``: each row its own, as packed documents have).
 
     The angles are computed in float32 whatever ``x``'s dtype (bf16 positions past 256
     would lose whole units); the result has ``x``'s dtype.
 
     Args:
       x: queries or keys ``[B, T, H, K]``.
-      positions: each token's position in its sequence, int ``[T]``.
+      positions: each token's position in its sequence, int ``[T]`` or ``[B, T]``.
       inv_freq: ``[K / 2]`` from :func:`rope_frequencies`.
 
     Returns:
@@ -112,8 +113,9 @@ def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> ja
       >>> bool(jnp.allclose(apply_rotary(x, jnp.zeros(3, int), rope_frequencies(4)), x))
       True
     """
-    angles = jnp.asarray(positions, jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]  # [1, T, 1, K]
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, K] or [B, T, K]
+    angles = angles[None, :, None, :] if angles.ndim == 2 else angles[:, :, None, :]
     x32 = jnp.asarray(x, jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)

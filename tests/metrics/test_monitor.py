@@ -57,3 +57,19 @@ def test_a_monitor_needs_one_meter():
     with pytest.raises(ValueError, match=r"px.metrics.Monitor: progress must be True, False "
                                          r"or 'auto', got 'yes'."):
         Monitor(items_per_step=1, progress="yes")
+
+
+def test_recorded_values_are_logged_at_their_step_and_stay_in_the_bar(tmp_path):
+    monitor = Monitor(fake_meter([0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 1.0, 1.0]),
+                      logdir=tmp_path, progress=False)
+    with monitor:
+        for i, batch in enumerate(monitor.loop([jnp.ones(2), jnp.ones(2)])):
+            measured = monitor.step(batch, loss=jnp.float32(2.0))
+            if i == 0:
+                monitor.record({"eval_loss": 1.25, "eval_perplexity": 3.4903})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 2]
+    assert rows[1] == {"step": 1, "eval_loss": 1.25, "eval_perplexity": 3.4903}
+    shown = monitor.postfix(measured, loss=2.0)
+    assert list(shown)[:3] == ["loss", "eval_loss", "eval_perplexity"]
+    assert shown["eval_loss"] == "1.2500" and shown["eval_perplexity"] == "3.4903"

@@ -59,6 +59,21 @@ def test_the_explicit_styles_shard_map_keeps_pallas_out():
         kernel("cpu", F32, requested="pallas", manual_axes=frozenset({"data"}))
 
 
+def test_packed_documents_run_in_xla_which_takes_their_mask():
+    # segment_ids reach only XLA's kernel so far: auto falls back, asking is refused.
+    choice = kernel("gpu", BF16, masked=True)
+    assert choice.kernel == "xla" and "packed documents (segment_ids)" in choice.reason
+    assert kernel("tpu", BF16, masked=True).kernel == "xla"
+    with pytest.raises(ValueError, match=r"'pallas' cannot run here: packed documents"):
+        kernel("cpu", F32, requested="pallas", masked=True)
+    q = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
+    segments = jnp.array([[1, 1, 2, 2]])
+    packed = dot_product_attention(q, q, q, segment_ids=segments)
+    alone = jnp.concatenate([dot_product_attention(q[:, :2], q[:, :2], q[:, :2]),
+                             dot_product_attention(q[:, 2:], q[:, 2:], q[:, 2:])], axis=1)
+    np.testing.assert_allclose(packed, alone, rtol=1e-6, atol=1e-6)
+
+
 def test_this_jax_ships_the_pallas_splash_kernel():
     # jax 0.10.2 and 0.12.1 both do: "auto" on a TPU is not a dead branch.
     assert kernel("tpu", BF16).kernel == "pallas"

@@ -17,6 +17,8 @@ falls on all of them alike, and only ratios measured together mean anything):
   2026-12-07), and ``px sync='xla' no combiner``: the same program compiled with XLA's CPU
   all-reduce combiner off (``compiler_options``), which lets each gradient's all-reduce
   start as the backward produces it (the cause of the gap: ``docs/performance_sync.md``);
+- ``px sync='tree'``: the tree exchange named (the default's choice across CPU processes;
+  with ``--np 1`` and simulated devices it measures the exchange where the default keeps XLA's);
 - ``px BucketedSync``: DDP's buckets as one ``psum`` per bucket (``packing="operands"``,
   the default);
 - ``px BucketedSync flat``: buckets as a concatenated flat buffer (the previous default);
@@ -165,6 +167,7 @@ def jax_programs(batch, lr):
         "px sync='xla'": lambda: stepper(px.DataParallel("data", sync="xla")),
         "px sync='xla' no combiner": lambda: stepper(px.DataParallel("data", sync="xla"),
                                                      no_combiner),
+        "px sync='tree'": lambda: stepper(px.DataParallel("data", sync="tree")),
         "px BucketedSync": lambda: stepper(px.DataParallel("data", sync=px.BucketedSync())),
         "px BucketedSync flat": lambda: stepper(px.DataParallel(
             "data", sync=px.BucketedSync(packing="flat"))),

@@ -13,14 +13,15 @@ one process (simulated CPU devices), or     XLA's all-reduce (``psum``): NCCL on
 GPU / TPU devices, or an abstract mesh      on TPU, in-process on CPU
 ==========================================  ==============================================
 
-Why: on CPU, XLA's all-reduce combiner merges the per-gradient ``psum`` s into one
-all-reduce that waits for the last gradient of the backward, so nothing of it overlaps the
-backward, and across processes gloo's ring then moves the whole gradient in 1 MiB
-segments, each a round trip. The exchanges of the tree are not combined: each gradient
+Why: on CPU, XLA's all-reduce combiner (the ``cpu-all-reduce-combiner`` pass) merges the
+per-gradient ``psum`` s into one all-reduce of every gradient, which can start only when the
+backward has produced the last of them, so none of the sum overlaps the backward. The
+exchanges of the tree are ``collective-permute`` s, which no pass combines: each gradient
 leaves as soon as the backward produces it. Measured (``docs/performance_sync.md``): 2 CPU
-processes, MLP 4 x 1024, Adam, the step with XLA's all-reduce 1.41-1.50x torch DDP's, with
-the tree 0.86x. On GPU and TPU XLA's own collectives are the fast ones, and one process of
-simulated devices has no network to save (measured there: no consistent gain).
+processes, MLP 4 x 1024, Adam, XLA's all-reduce 1.0-1.5x torch DDP's step time, the same
+program with the combiner off about the tree's time, the tree 0.7-0.9x. On GPU and TPU
+XLA's own collectives (NCCL, ICI) are the fast ones, and one process of simulated devices
+has no network to save.
 
 :class:`AllReduceSync` is that sum as a value, and the override:
 ``px.DataParallel("data", sync="xla")`` keeps XLA's all-reduce everywhere,

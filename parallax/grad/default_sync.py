@@ -18,10 +18,11 @@ per-gradient ``psum`` s into one all-reduce of every gradient, which can start o
 backward has produced the last of them, so none of the sum overlaps the backward. The
 exchanges of the tree are ``collective-permute`` s, which no pass combines: each gradient
 leaves as soon as the backward produces it. Measured (``docs/performance_sync.md``): 2 CPU
-processes, MLP 4 x 1024, Adam, XLA's all-reduce 1.0-1.5x torch DDP's step time, the same
-program with the combiner off about the tree's time, the tree 0.7-0.9x. On GPU and TPU
-XLA's own collectives (NCCL, ICI) are the fast ones, and one process of simulated devices
-has no network to save.
+processes, MLP 4 x 1024, Adam: XLA's all-reduce 1.01-1.29x torch DDP's step time, the
+same program with the combiner off 0.74-1.00x, the tree 0.74-0.81x. On GPU and TPU XLA's
+own collectives (NCCL, ICI) are the fast ones (not measured here). One process of simulated
+CPU devices keeps XLA's all-reduce so that its programs stay as they were, although the tree
+measured faster there too (``docs/performance_sync.md``): a change of its own, not made yet.
 
 :class:`AllReduceSync` is that sum as a value, and the override:
 ``px.DataParallel("data", sync="xla")`` keeps XLA's all-reduce everywhere,

@@ -11,7 +11,14 @@ falls on all of them alike, and only ratios measured together mean anything):
 - ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel`` over gloo (an optional peer:
   ``pip install torch==2.13.0``; skipped when torch is missing);
 - ``hand-written JAX``: ``jax.jit`` with ``NamedSharding`` s, the all-reduce left to XLA;
-- ``px.DataParallel``: the explicit style (one ``psum`` per gradient);
+- ``px.DataParallel``: the default sync, the backend's choice (across CPU processes one
+  tree exchange per gradient, ``px.AllReduceSync("tree")``; the chosen sync is printed);
+- ``px sync='xla'``: one ``psum`` per gradient, XLA's all-reduce (the default before
+  2026-12-07), and ``px sync='xla' no combiner``: the same program compiled with XLA's CPU
+  all-reduce combiner off (``compiler_options``), which lets each gradient's all-reduce
+  start as the backward produces it (the cause of the gap: ``docs/performance.md, "The gradient sync across processes"``);
+- ``px sync='tree'``: the tree exchange named (the default's choice across CPU processes;
+  with ``--np 1`` and simulated devices it measures the exchange where the default keeps XLA's);
 - ``px BucketedSync``: DDP's buckets as one ``psum`` per bucket (``packing="operands"``,
   the default);
 - ``px BucketedSync flat``: buckets as a concatenated flat buffer (the previous default);
@@ -23,7 +30,9 @@ falls on all of them alike, and only ratios measured together mean anything):
   all-reduce over gloo and nothing else, to tell the collective's cost from the step's.
 
 It prints each program's median milliseconds per step and the ratios to torch DDP and to
-``px.DataParallel``. What moved the numbers is in ``docs/distributed.md``.
+``px.DataParallel``. What moved the numbers is in ``docs/performance.md, "The gradient sync across processes"`` and
+``docs/distributed.md``. ``--only a,b`` keeps the programs whose names contain a or b
+(torch DDP and the default always run).
 """
 
 from __future__ import annotations
@@ -99,7 +108,7 @@ def jax_programs(batch, lr):
         return px.TrainState.create(px.models.MLP(WIDTH, [WIDTH] * (LAYERS - 1), WIDTH,
                                                   rngs=nnx.Rngs(0)), optax.adam(lr))
 
-    def stepper(strategy):
+    def stepper(strategy, compiler_options=None):
         state = [px.init(make_state, mesh, strategy)]
         data = px.distributed.global_batch(batch, mesh, strategy)
 
@@ -107,6 +116,9 @@ def jax_programs(batch, lr):
         def step(state, batch):
             loss, grads = px.value_and_grad(px.models.mse_loss)(state.model, batch)
             return state.apply_gradients(grads), {"loss": loss}
+
+        if compiler_options:  # this program only: the calls then run it
+            step.compile(state[0], data, compiler_options=compiler_options)
 
         def run():
             state[0], metrics = step(state[0], data)
@@ -148,19 +160,24 @@ def jax_programs(batch, lr):
 
         return run
 
+    no_combiner = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
     return {
-        "hand-written JAX": hand_written(),
-        "px.DataParallel": stepper(px.DataParallel("data")),
-        "px BucketedSync": stepper(px.DataParallel("data", sync=px.BucketedSync())),
-        "px BucketedSync flat": stepper(px.DataParallel(
+        "hand-written JAX": hand_written,
+        "px.DataParallel": lambda: stepper(px.DataParallel("data")),
+        "px sync='xla'": lambda: stepper(px.DataParallel("data", sync="xla")),
+        "px sync='xla' no combiner": lambda: stepper(px.DataParallel("data", sync="xla"),
+                                                     no_combiner),
+        "px sync='tree'": lambda: stepper(px.DataParallel("data", sync="tree")),
+        "px BucketedSync": lambda: stepper(px.DataParallel("data", sync=px.BucketedSync())),
+        "px BucketedSync flat": lambda: stepper(px.DataParallel(
             "data", sync=px.BucketedSync(packing="flat"))),
-        "px BucketedSync bf16": stepper(px.DataParallel(
+        "px BucketedSync bf16": lambda: stepper(px.DataParallel(
             "data", sync=px.BucketedSync(compression="bf16"))),
-        "px BucketedSync tree": stepper(px.DataParallel(
+        "px BucketedSync tree": lambda: stepper(px.DataParallel(
             "data", sync=px.BucketedSync(algorithm="tree"))),
-        "px BucketedSync ring": stepper(px.DataParallel(
+        "px BucketedSync ring": lambda: stepper(px.DataParallel(
             "data", sync=px.BucketedSync(algorithm="ring"))),
-        "JAX all-reduce alone": all_reduce(),
+        "JAX all-reduce alone": all_reduce,
     }
 
 
@@ -172,6 +189,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=64, help="rows per process")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--only", default="", help="comma-separated parts of program names")
     args = parser.parse_args(argv)
     if "PARALLAX_NUM_PROCESSES" not in os.environ:
         return _relaunch(argv, args.np)
@@ -185,13 +203,18 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(px.distributed.rank())
     batch = {"x": rng.standard_normal((args.batch, WIDTH), np.float32),
              "y": rng.standard_normal((args.batch, WIDTH), np.float32)}
+    wanted = [w for w in args.only.split(",") if w]
+    keep = lambda name: (not wanted or name in ("torch DDP", "px.DataParallel")  # noqa: E731
+                         or any(w in name for w in wanted))
     programs = {}
     torch_steps = torch_program(batch, args.lr)
     if torch_steps is not None:
         programs["torch DDP"] = torch_steps[0]
-    programs.update(jax_programs(batch, args.lr))
-    if torch_steps is not None:
+    programs.update({name: build() for name, build in jax_programs(batch, args.lr).items()
+                     if keep(name)})
+    if torch_steps is not None and keep("torch all-reduce alone"):
         programs["torch all-reduce alone"] = torch_steps[1]
+    load_before = os.getloadavg()[0]
     for run in programs.values():  # compile and warm up
         run()
         run()
@@ -206,15 +229,21 @@ def main(argv=None) -> int:
         medians = {name: statistics.median(t) for name, t in times.items()}
         base = medians["px.DataParallel"]
         torch_ms = medians.get("torch DDP")
+        from parallax.grad.default_sync import default_sync
+
         print(f"\nMLP {LAYERS} x {WIDTH}, Adam, batch {args.batch} per process, "
               f"{jax.process_count()} processes x {jax.local_device_count()} CPU device(s), "
-              f"gloo; {args.rounds} rounds of {args.steps} steps, alternating")
+              f"gloo; {args.rounds} rounds of {args.steps} steps, alternating; jax "
+              f"{jax.__version__}; px.DataParallel's sync here: "
+              f"{default_sync(px.make_mesh(data=-1), ('data',))!r}")
         print(f"{'program':<24}{'median ms':>11}{'/ torch':>9}{'/ px.DP':>9}")
         for name, med in medians.items():
             vs_torch = f"{med / torch_ms:>9.2f}" if torch_ms else f"{'-':>9}"
             print(f"{name:<24}{med * 1e3:>11.1f}{vs_torch}{med / base:>9.2f}")
         if torch_ms is None:
             print("(torch is not installed: pip install torch==2.13.0 to add the peer)")
+        print(f"machine load (1-minute average, {os.cpu_count()} cores): {load_before:.1f} "
+              f"before, {os.getloadavg()[0]:.1f} after")
     px.distributed.shutdown()
     return 0
 

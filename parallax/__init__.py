@@ -44,6 +44,7 @@ from parallax.step import eval_step as eval_step
 from parallax.step import init as init
 from parallax.step import shard as shard
 from parallax.step import train_step as train_step
+from parallax.strategies import AllReduceSync as AllReduceSync
 from parallax.strategies import FSDP as FSDP
 from parallax.strategies import HSDP as HSDP
 from parallax.strategies import MixedPrecision as MixedPrecision
@@ -64,6 +65,7 @@ __version__ = "0.1.0"
 _old_import_paths.install()  # scripts written against pre-round-3 paths keep running
 
 __all__ = [
+    "AllReduceSync",
     "BucketedSync",
     "ContextParallel",
     "DataParallel",

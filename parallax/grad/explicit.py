@@ -9,10 +9,18 @@ axes stay with GSPMD) and, in it:
    communication (parameters are first cast to *varying* over the batch axes, so JAX's
    autodiff inserts no implicit ``psum``);
 3. gradients are reduced: ``psum_scatter`` over the ZeRO axis for stages 2 and 3 (each
-   device keeps the reduced slice it owns), ``psum`` over the other batch axes (or the
-   strategy's ``grad_sync``, e.g. DDP's buckets), then divided by the number of batch
-   shards. The loss is averaged the same way; auxiliary values, the module's state after
-   the forward pass and sown values are reduced by kind (:mod:`parallax.grad.aux_outputs`).
+   device keeps the reduced slice it owns), then summed over the other batch axes by the
+   strategy's ``grad_sync`` (e.g. DDP's buckets) or, without one, by the backend's choice
+   (:mod:`parallax.grad.default_sync`: XLA's ``psum``, or parallax.comm's tree exchange
+   across CPU processes), then divided by the number of batch shards. The loss is
+   averaged the same way; auxiliary values, the module's state after the forward pass and
+   sown values are reduced by kind (:mod:`parallax.grad.aux_outputs`).
+
+The map checks varying axes (``check_vma``), which is what proves a loss, an aux value or
+a module variable shared and keeps autodiff from inserting sums of its own. A
+point-to-point sync's sums are equal on every device but typed varying, so they run in a
+second ``shard_map`` of their own, unchecked, on the terms the first one returns
+(:func:`summed_apart`); XLA compiles both into one program.
 
 References:
   Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
@@ -30,6 +38,7 @@ from jax.sharding import PartitionSpec
 from parallax import context, layout
 from parallax.comm.varying import to_varying
 from parallax.grad.aux_outputs import join_examples, over_shards, split_examples
+from parallax.grad.default_sync import AllReduceSync, chosen_sync
 from parallax.grad.local_shards import auto_axes, group_on_local_shards, on_local_shards
 from parallax.grad.module_state import Target
 from parallax.grad.slice_loss import LocalResult, leading_size
@@ -49,50 +58,91 @@ def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=Non
     lays = layout.param_layouts(params, strategy, mesh, API, source=source)
     p_leaves, p_def = jax.tree.flatten(params)
     b_leaves, b_def = jax.tree.flatten(batch)
-
-    # A point-to-point sync returns equal sums typed varying, which JAX cannot check.
-    checked = not getattr(strategy.grad_sync, "varying_results", False)
+    sync = chosen_sync(strategy.grad_sync, mesh, axes)
+    # A point-to-point sync's sums are equal on every device but typed varying, which JAX
+    # cannot check: they run in a map of their own (summed_apart), after this checked one.
+    apart = getattr(sync, "varying_results", False)
 
     def body(p_local, state, b_local):
         with jax.named_scope("parallax/zero_gather"):  # names the collectives in profiles
-            full = gather_params(p_local, lays, axes, cast=checked)
+            full = gather_params(p_local, lays, axes)
         position = Position(lax.axis_index(axes), shards)
         with context.manual(axes):
             (loss, res), grads = produce(jax.tree.unflatten(p_def, full),
                                          jax.tree.unflatten(b_def, b_local), state, position)
+        shared, examples = reduce_results(loss, res, leading_size(b_local), axes, shards)
         with jax.named_scope("parallax/grad_sync"):
-            synced = sync_grads(jax.tree.leaves(grads), lays, axes, strategy.grad_sync,
-                                strategy.precision)
-        shared, examples = reduce_results(loss, res, leading_size(b_local), axes, shards,
-                                          typed=checked)
+            if apart:  # ZeRO's reduce-scatter here, the sum over the other axes apart
+                return shared, examples, [g[None] for g in unsummed(
+                    jax.tree.leaves(grads), lays, axes, strategy.precision)]
+            synced = sync_grads(jax.tree.leaves(grads), lays, axes, sync, strategy.precision)
         return shared, examples, [g / shards for g in synced]
 
     b_spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
+    g_specs = [lay.manual_spec("grad", axes) for lay in lays]
     mapped = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=([lay.manual_spec("param", axes) for lay in lays], PartitionSpec(),
                   [b_spec] * len(b_leaves)),
         # Per-example values leave with the batch's spec: concatenated in batch order.
-        out_specs=(PartitionSpec(), b_spec, [lay.manual_spec("grad", axes) for lay in lays]),
+        out_specs=(PartitionSpec(), b_spec,
+                   [stacked_spec(lay, axes) for lay in lays] if apart else g_specs),
         axis_names=frozenset(axes),
-        check_vma=checked,
     )
     (loss, aux, new, state, checks), (aux_examples, new_examples), g_leaves = mapped(
         p_leaves, parts.state, b_leaves)
+    if apart:
+        g_leaves = summed_apart(g_leaves, lays, axes, sync, strategy.precision, mesh)
     result = LocalResult(join_examples(aux, aux_examples), state,
                          join_examples(new, new_examples), checks)
     return (loss, result), jax.tree.unflatten(p_def, g_leaves)
 
 
-def reduce_results(loss, res: LocalResult, rows: int, axes, shards: int, typed: bool = True):
+def stacked_spec(lay, axes) -> PartitionSpec:
+    """The spec of a local gradient not yet summed, with a new leading dimension over the
+    batch axes it is still to be summed over: each device's own term, in the checked map's
+    types (varying over every batch axis)."""
+    over = remaining_axes(lay, axes)
+    lead = None if not over else over[0] if len(over) == 1 else over
+    return PartitionSpec(lead, *lay.manual_spec("grad", axes))
+
+
+def unsummed(leaves, lays, axes, policy=None):
+    """Each local gradient in the precision policy's ``reduce`` dtype, after ZeRO's
+    reduce-scatter: the terms a point-to-point sync sums."""
+    if policy is not None:
+        leaves = [g.astype(policy.reduce) for g in leaves]
+    return [on_local_shards(scatter_grad, g, lay, axes) for g, lay in zip(leaves, lays)]
+
+
+def summed_apart(stacked, lays, axes, grad_sync, policy, mesh):
+    """The terms of :func:`unsummed` summed by a point-to-point ``grad_sync`` in a
+    ``shard_map`` of its own, unchecked: its sums are equal on every device (both partners of
+    an exchange add the same two numbers), typed varying, and leave replicated over the
+    axes they were summed over. Only this map is unchecked: the step's map keeps JAX's
+    checks of the loss, aux values, module state and autodiff. XLA sees one program, so each
+    gradient's exchange still starts when the backward has produced it."""
+    shards = axis_size(mesh, axes)
+
+    def body(terms):
+        summed = sync_groups([t[0] for t in terms], lays, axes, grad_sync)
+        if policy is not None:
+            summed = [g.astype(policy.grads) for g in summed]
+        return [g / shards for g in summed]
+
+    return jax.shard_map(body, mesh=mesh, in_specs=([stacked_spec(lay, axes) for lay in lays],),
+                         out_specs=[lay.manual_spec("grad", axes) for lay in lays],
+                         axis_names=frozenset(axes), check_vma=False)(list(stacked))
+
+
+def reduce_results(loss, res: LocalResult, rows: int, axes, shards: int):
     """``(shared, examples)``: the loss, aux values, sown values, module state and checks
     of one shard reduced over the batch axes by kind (:mod:`parallax.grad.aux_outputs`), and the
-    per-example values, which ``shard_map`` concatenates. ``typed``: the map checks varying
-    axes, so a leaf invariant over the batch axes is known to be shared."""
-    known = axes if typed else ()
-    aux, aux_examples = split_examples(res.aux, rows, known)
-    new, new_examples = split_examples(res.new, rows, known)
+    per-example values, which ``shard_map`` concatenates. The map checks varying axes, so a
+    leaf invariant over the batch axes is known to be shared."""
+    aux, aux_examples = split_examples(res.aux, rows, axes)
+    new, new_examples = split_examples(res.new, rows, axes)
     checks = {name: lax.pmin(to_varying(ok.astype(jnp.int32), axes), axes) > 0
               for name, ok in res.checks.items()}
     shared = (mean_over(loss, axes, shards),
@@ -103,13 +153,12 @@ def reduce_results(loss, res: LocalResult, rows: int, axes, shards: int, typed: 
     return shared, (aux_examples, new_examples)
 
 
-def gather_params(leaves, lays, axes, cast: bool = True):
+def gather_params(leaves, lays, axes):
     """Each parameter cast to varying over the batch axes (so autodiff inserts no implicit
-    ``psum``; not needed, and not wanted, in an unchecked ``shard_map``, which has no types
-    to insert it by) and, under ZeRO 3, all-gathered from its shards."""
+    ``psum``) and, under ZeRO 3, all-gathered from its shards."""
 
     def gather(x, lay):
-        x = to_varying(x, axes) if cast else x
+        x = to_varying(x, axes)
         return lay.zero.gather(x, lay.shard_dim) if lay.is_sharded("param") else x
 
     return [on_local_shards(gather, x, lay, axes) for x, lay in zip(leaves, lays)]
@@ -135,14 +184,14 @@ def remaining_axes(lay, axes) -> tuple[str, ...]:
 
 def sync_grads(leaves, lays, axes, grad_sync, policy=None):
     """Gradients summed over the batch axes: ZeRO's reduce-scatter, then one ``psum`` per
-    leaf over the remaining axes, or the strategy's ``grad_sync`` per group (DDP buckets).
-    With a precision policy the sum travels in its ``reduce`` dtype and comes back in its
-    ``grads`` dtype."""
+    leaf over the remaining axes (``grad_sync`` None or ``AllReduceSync("xla")``), or
+    ``grad_sync`` per group (DDP buckets, point-to-point sums). With a precision policy the
+    sum travels in its ``reduce`` dtype and comes back in its ``grads`` dtype."""
     if policy is not None:
         leaves = [g.astype(policy.reduce) for g in leaves]
         summed = sync_grads(leaves, lays, axes, grad_sync)
         return [g.astype(policy.grads) for g in summed]
-    if grad_sync is None:
+    if grad_sync is None or grad_sync == AllReduceSync("xla"):
         def reduce(g, lay):
             g, over = scatter_grad(g, lay), remaining_axes(lay, axes)
             return lax.psum(g, over) if over else g

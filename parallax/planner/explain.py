@@ -33,6 +33,7 @@ from parallax.planner.predicted import traffic as pt
 from parallax.planner.report import Report, Row
 from parallax.planner.setting import StepSetting, read_setting
 from parallax.comm import cost
+from parallax.grad.default_sync import describe_sync
 from parallax.mesh import describe
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.gpt_pipeline import next_token_stages
@@ -319,7 +320,9 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
     facts = {"strategy": strategy.name, "mesh": describe(mesh), "chip": device.name,
              "link": link.name, "batch": f"{setting.batch_rows} examples",
              "attention": attention_kernels(text).summary() + (
-                 f" (asked: {step.attention})" if step.attention != "auto" else "")}
+                 f" (asked: {step.attention})" if step.attention != "auto" else ""),
+             "gradient sync": describe_sync(strategy.grad_sync, mesh, setting.batch_axes,
+                                            strategy.sync_style)}
     note = pe.replicated_note(setting, mesh.size)
     if note:
         facts["note"] = note

@@ -22,6 +22,7 @@ from flax import nnx
 
 from parallax import layout
 from parallax.analysis.program import PipelineBranches
+from parallax.grad.default_sync import chosen_sync
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.llama_config import LlamaConfig
 from parallax.pipeline import Schedule, schedule
@@ -85,6 +86,7 @@ class StepSetting:
     config: GPTConfig | LlamaConfig | None
     pipeline: PipelineSetting | None
     accumulation: int
+    grad_sync: object = None  # the sum the explicit style runs (parallax.grad.default_sync)
 
     def size(self, axes) -> int:
         return math.prod(self.mesh_shape.get(a, 1) for a in as_tuple(axes))
@@ -258,4 +260,7 @@ def read_setting(mesh, strategy: Strategy, state, batch, config: GPTConfig | Non
         config=config if config is not None else model_config(state),
         pipeline=pipeline,
         accumulation=accumulation,
+        grad_sync=chosen_sync(strategy.grad_sync, mesh, tuple(
+            a for a in strategy.batch_axes if shape.get(a, 1) > 1))
+        if strategy.sync_style == "explicit" else None,
     )

@@ -183,15 +183,18 @@ class TrainStep:
         with jax.set_mesh(self.mesh):
             return jitted.lower(state, batch, *args)
 
-    def compile(self, state, batch, *args):
+    def compile(self, state, batch, *args, compiler_options: dict | None = None):
         """``lower(...).compile()``, and the step's later calls on arguments of the same
         shapes, dtypes and shardings run this program instead of compiling it again.
 
         ``lower(...).compile()`` alone gives the same program, but jax keeps it apart from
         the cache a call uses, so the first call would compile it a second time: use this
         to inspect the compiled program (``memory_analysis()``, its HLO) and then train.
+        ``compiler_options`` are XLA's, for this program only (``jax.jit``'s), e.g.
+        ``{"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}`` (see
+        ``docs/performance.md, "The gradient sync across processes"``).
         """
-        self._compiled = self.lower(state, batch, *args).compile()
+        self._compiled = self.lower(state, batch, *args).compile(compiler_options)
         return self._compiled
 
     def __repr__(self) -> str:

@@ -7,9 +7,11 @@ this package.
 =======================  ====================  ============================  ==================
 parallelism              strategy files        mechanism                     tests
 =======================  ====================  ============================  ==================
-data parallel (DDP,      data.py, sync.py,     psum in parallax.grad; DDP    test_equivalence,
-Horovod, PyTorch DP)     reduce_to_one.py      buckets over comm.bucket      test_sync,
-                                                                             test_reduce_to_one
+data parallel (DDP,      data.py, sync.py,     the backend's sum in          test_equivalence,
+Horovod, PyTorch DP)     reduce_to_one.py      parallax.grad.default_sync    test_sync,
+                                               (tree exchange across CPU     test_reduce_to_one
+                                               processes, else XLA's psum);  (distributed/)
+                                               DDP buckets over comm.bucket  test_default_sync
 ZeRO 1/2/3, FSDP, HSDP   zero.py               ZeroSharding: shard dim,      test_zero,
                                                all-gather, reduce-scatter    test_layout
 tensor and sequence      tensor.py,            rules and MegatronCheck;      test_tensor_parallel,
@@ -30,6 +32,7 @@ mixed precision          precision.py          casts in parallax.grad;       tes
 The tests named are in ``tests/strategies/``, the folders and ``test_layout`` in ``tests/``.
 """
 
+from parallax.strategies.sync import AllReduceSync as AllReduceSync
 from parallax.strategies.accumulate import GradientAccumulation as GradientAccumulation
 from parallax.strategies.context_parallel import ContextParallel as ContextParallel
 from parallax.strategies.data import DataParallel as DataParallel

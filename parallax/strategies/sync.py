@@ -1,13 +1,16 @@
 """Gradient synchronisation hooks: how the explicit style sums gradients over batch axes.
 
 A data-parallel strategy sums each device's gradients over its batch axes. By default that
-is one ``psum`` per leaf (XLA may combine them). A *sync* replaces it: a callable
+is one all-reduce per leaf, the backend's fast one (:class:`AllReduceSync`, chosen by
+:mod:`parallax.grad.default_sync`: parallax.comm's tree exchange across CPU processes,
+XLA's ``psum`` elsewhere). A *sync* replaces it: a callable
 ``sync(grads, axes) -> grads`` that runs inside the step's ``shard_map`` on the local
 gradients (a list of arrays) and returns their sums over the mesh ``axes``, invariant over
 them (built from XLA collectives, e.g. ``parallax.comm`` with ``algorithm="xla"``); a sync
 whose sums are equal on every device but typed varying (point-to-point messages) says so
-with a true ``varying_results`` attribute, and the step's ``shard_map`` then runs
-unchecked (``check_vma=False``). Under
+with a true ``varying_results`` attribute, and then runs in a ``shard_map`` of its own,
+unchecked (``check_vma=False``), after the step's checked one (see
+:mod:`parallax.grad.explicit`). Under
 ZeRO 2/3 it receives what is left after the reduce-scatter over the ZeRO axis (the
 cross-replica all-reduce of HSDP); leaves that are tensor-parallel shards arrive as their
 local shards.
@@ -29,6 +32,7 @@ import dataclasses
 import jax
 
 from parallax.comm import bucket
+from parallax.grad.default_sync import AllReduceSync as AllReduceSync
 
 # XLA's all-reduce, or parallax.comm's point-to-point algorithms ("hierarchical" needs two
 # named axes, which a sync over the batch axes does not have).
@@ -59,12 +63,13 @@ class BucketedSync:
         exchange of the whole gradient), ``"ring"`` or ``"auto"`` (ring or tree per
         gradient by :func:`parallax.comm.cost.choose_algorithm`). With ``"operands"``
         packing each gradient is reduced on its own as soon as the backward produces it.
-        Across CPU processes this is the fast choice: inside a step XLA's gloo all-reduce
-        (a ring whose steps wait on the peers) cost about twice what one
-        ``collective-permute`` exchange did (``docs/distributed.md`` has the measurements).
+        Across CPU processes this is the fast choice (and, per gradient without buckets,
+        the default there: :class:`AllReduceSync`): XLA's CPU all-reduce combiner merges
+        the gradients' all-reduces into one after the backward, and gloo's ring moves it
+        in 1 MiB round trips (``docs/performance.md, "The gradient sync across processes"`` has the measurements).
         Every device adds the same numbers in the same order, so the sums are bit-identical
-        across devices; they are typed varying, and the step's ``shard_map`` runs with
-        ``check_vma=False`` (:attr:`varying_results`).
+        across devices; they are typed varying (:attr:`varying_results`), and are taken
+        in an unchecked ``shard_map`` of their own.
 
     A value (equal settings compare equal), so strategies holding it compose and compare.
 

@@ -128,6 +128,9 @@ def parallax_steps(mesh, strategy, steps=2, **options):
 
 LAYOUTS = {
     "dp": (dict(data=8), px.DataParallel(), {}),
+    # the gradients summed by exchanges (the default across CPU processes): aux values and
+    # module state are still reduced in the step's checked map
+    "dp-tree": (dict(data=8), px.DataParallel(sync="tree"), {}),
     "hsdp-accumulate": (dict(data=2, fsdp=2), px.HSDP(), {"microbatches": 2}),
     "dp-gspmd": (dict(data=4), px.DataParallel(style="gspmd"), {}),
 }
@@ -167,14 +170,15 @@ def test_run_to_run_masks_are_deterministic_and_per_shard_streams_differ():
     assert all((quarters[i] != quarters[0]).any() for i in range(1, 4))
 
 
-def test_an_integer_that_differs_between_shards_is_refused():
+@pytest.mark.parametrize("sync", [None, "tree"])
+def test_an_integer_that_differs_between_shards_is_refused(sync):
     def counts(model, batch):
         out = model(batch["x"])
         return jnp.mean(out ** 2), {"positive": jnp.sum(out > 0)}
 
     m = mesh(data=4)
 
-    @px.train_step(m, px.DataParallel(), donate=False)
+    @px.train_step(m, px.DataParallel(sync=sync), donate=False)
     def step(state, batch):
         (_, aux), grads = px.value_and_grad(counts, has_aux=True)(state.model, batch)
         return state.apply_gradients(grads), aux

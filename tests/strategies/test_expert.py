@@ -113,6 +113,16 @@ def test_drops_match_one_device_and_two_all_to_alls_each_way():
 
 
 @pytest.mark.slow
+def test_gradients_summed_by_exchanges_match_one_device():
+    """The experts' gradients and the rest summed by parallax.comm's tree exchanges (the
+    default across CPU processes), each over the axes that replicate it."""
+    cfg = config(capacity_factor=0.5)
+    ref = trajectory(*one_device(cfg))
+    strategy = px.compose(px.DataParallel("data", sync="tree"), px.ExpertParallel("expert"))
+    assert_same_trajectory(trajectory(*parallel(cfg, px.make_mesh(**DP_EP[0]), strategy)), ref)
+
+
+@pytest.mark.slow
 def test_fsdp_with_expert_parallel_matches_one_device():
     cfg = config(capacity_factor=1.0)
     ref = trajectory(*one_device(cfg))

@@ -121,11 +121,12 @@ def context_attention_collectives(s: StepSetting) -> dict[tuple, PredictedCollec
 
 def _gradient_sum(s: StepSetting, add, axes, nbytes: float, how: str) -> None:
     """The sum of one gradient over ``axes``: XLA's all-reduce, or the point-to-point
-    messages of a sync like ``px.BucketedSync(algorithm="tree" | "ring" | "auto")``."""
+    messages of a sync like ``px.BucketedSync(algorithm="tree" | "ring" | "auto")`` or the
+    default's tree exchange across CPU processes (the step's ``grad_sync``, resolved)."""
     if not axes:
         return
-    algorithm = getattr(s.strategy.grad_sync, "algorithm", "xla")
-    if algorithm == "xla" or not getattr(s.strategy.grad_sync, "varying_results", False):
+    algorithm = getattr(s.grad_sync, "algorithm", "xla")
+    if algorithm == "xla" or not getattr(s.grad_sync, "varying_results", False):
         add("all-reduce", axes, nbytes, 0, how)
         return
     n = s.size(axes)

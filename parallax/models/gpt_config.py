@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from parallax.nn.moe_config import MoEConfig
+from parallax.nn.chunked_loss import check_loss_chunks
 from parallax.nn.padding import padded_size
 
 _SIZES = ("vocab_size", "max_seq_len", "num_layers", "num_heads", "embed_dim", "mlp_dim")
@@ -40,6 +41,10 @@ class GPTConfig:
         experts' width is ``moe.mlp_dim`` or ``mlp_dim``); None (the default) keeps the
         dense GELU MLP. Train it with ``moe_next_token_loss``, which adds the router's
         auxiliary losses.
+      loss_chunks: how many chunks of the sequence ``next_token_loss`` computes the logits
+        in (:func:`parallax.nn.chunked_cross_entropy`; a divisor of the sequence length).
+        None (the default) picks the smallest divisor with chunk logits no larger than the
+        hidden states; 1 computes all ``[B, T, V]`` logits at once.
 
     Example:
       >>> from parallax.models import GPTConfig
@@ -58,8 +63,10 @@ class GPTConfig:
     param_dtype: Any = jnp.float32
     vocab_pad_multiple: int = 1
     moe: MoEConfig | None = None
+    loss_chunks: int | None = None
 
     def __post_init__(self):
+        check_loss_chunks("GPTConfig", self.loss_chunks)
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"GPTConfig: moe must be a MoEConfig or None, got "
                             f"{type(self.moe).__name__}: {self.moe!r}.")

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from parallax.nn.chunked_loss import check_loss_chunks
 from parallax.nn.padding import padded_size
 from parallax.nn.rope import RopeScaling
 
@@ -39,6 +40,8 @@ class LlamaConfig:
       dtype: compute dtype (logits and loss are always float32).
       param_dtype: storage dtype of the params.
       vocab_pad_multiple: pad the vocabulary to a multiple of this (as ``GPTConfig``).
+      loss_chunks: chunks of the sequence for the loss's logits (as ``GPTConfig``; None
+        picks them, 1 computes all logits at once).
 
     Example:
       >>> from parallax.models import LlamaConfig
@@ -60,8 +63,10 @@ class LlamaConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     vocab_pad_multiple: int = 1
+    loss_chunks: int | None = None
 
     def __post_init__(self):
+        check_loss_chunks("LlamaConfig", self.loss_chunks)
         for field in _SIZES + ("vocab_pad_multiple",):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -155,15 +155,15 @@ def test_init_follows_gpt2(model):
     params = nnx.state(model, nnx.Param)
     std = lambda p: float(jnp.std(p[...]))  # noqa: E731
     assert std(params["wte"]) == pytest.approx(0.02, rel=0.05)
-    assert std(params["blocks"]["attn"]["query"]["kernel"]) == pytest.approx(0.02, rel=0.05)
+    assert std(params["blocks"]["attn"]["qkv"]["kernel"]) == pytest.approx(0.02, rel=0.05)
     scaled = 0.02 / math.sqrt(2 * TINY.num_layers)
     assert std(params["blocks"]["attn"]["out"]["kernel"]) == pytest.approx(scaled, rel=0.05)
     assert std(params["blocks"]["mlp"]["proj"]["kernel"]) == pytest.approx(scaled, rel=0.05)
     assert not jnp.any(params["blocks"]["mlp"]["fc"]["bias"][...])
     assert jnp.all(params["blocks"]["ln1"]["scale"][...] == 1)
     # Each layer draws its own kernels (the vmap split the rngs).
-    q = params["blocks"]["attn"]["query"]["kernel"][...]
-    assert not jnp.allclose(q[0], q[1])
+    qkv = params["blocks"]["attn"]["qkv"]["kernel"][...]
+    assert not jnp.allclose(qkv[0], qkv[1])
 
 
 def _dot_generals(num_layers):
@@ -262,8 +262,8 @@ def test_trains_under_data_and_tensor_parallel_like_one_device(loss):
     state = px.init(
         lambda: px.TrainState.create(GPT(TINY, rngs=nnx.Rngs(0)), optax.sgd(0.1)), mesh, strategy
     )
-    query = state.params["blocks"]["attn"]["query"]["kernel"][...]
-    assert query.sharding.spec == jax.P(None, None, "tensor")  # heads split
+    qkv = state.params["blocks"]["attn"]["qkv"]["kernel"][...]  # [L, D, 3, H, K]
+    assert qkv.sharding.spec == jax.P(None, None, None, "tensor")  # heads split, q/k/v whole
 
     @px.train_step(mesh, strategy)
     def step(state, batch):

@@ -112,9 +112,8 @@ def test_grouped_query_attention_equals_multi_head_with_repeated_heads():
     mha = GroupedQueryAttention(d, h, h, freqs, rngs=nnx.Rngs(1))
     mha.query.kernel[...] = gqa.query.kernel[...]
     mha.out.kernel[...] = gqa.out.kernel[...]
-    for name in ("key", "value"):  # query head i reads key/value head i // (h / g)
-        getattr(mha, name).kernel[...] = jnp.repeat(getattr(gqa, name).kernel[...], h // g,
-                                                    axis=1)
+    # query head i reads key/value head i // (h / g); the kernel is [D, 2 (k, v), G, K]
+    mha.key_value.kernel[...] = jnp.repeat(gqa.key_value.kernel[...], h // g, axis=2)
     x = jax.random.normal(jax.random.key(2), (2, 6, d))
     np.testing.assert_allclose(gqa(x, token_positions(6)), mha(x, token_positions(6)),
                                atol=1e-6)
@@ -127,8 +126,9 @@ def test_names_follow_the_tensor_plan(model):
     assert leaves["embed"] == ((V, D), ("vocab", "embed"))
     assert leaves["head"] == ((D, V), ("embed", "vocab"))
     assert leaves["blocks.attn.query.kernel"] == ((L, D, H, K), ("layers", "embed", "heads", "kv"))
-    assert leaves["blocks.attn.key.kernel"] == ((L, D, G, K),
-                                                ("layers", "embed", "kv_heads", "kv"))
+    assert leaves["blocks.attn.key_value.kernel"] == ((L, D, 2, G, K),
+                                                      ("layers", "embed", None, "kv_heads", "kv"))
+    assert leaves["blocks.mlp.gate_up.kernel"] == ((L, D, 2, F), ("layers", "embed", None, "mlp"))
     assert leaves["blocks.mlp.down.kernel"] == ((L, F, D), ("layers", "mlp", "embed"))
     split = {"heads", "kv_heads", "mlp", "vocab"}
     for path, (shape, names) in leaves.items():

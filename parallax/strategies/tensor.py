@@ -136,6 +136,11 @@ class MegatronCheck:
     axis: str
 
     def __call__(self, names, shape, mesh, *, path: tuple = (), api: str = "px.TensorParallel"):
+        # Key/value heads ("kv_heads") split only where the tensor size divides them
+        # (KeyValueHeads) and are kept whole elsewhere, which GSPMD computes for any count:
+        # not checked here. The explicit layers, which need a rank's query heads to read
+        # whole key/value heads, check them (px.nn.param_specs, sharded_dims).
+        names = tuple(None if n == "kv_heads" else n for n in names)
         if self.axis in mesh.shape:
             sharded_dims(names, shape, self.axis, mesh.shape[self.axis],
                          path=readable_path(path), api=api)

@@ -257,8 +257,9 @@ def test_the_check_is_a_value_that_composition_keeps():
     assert strategy.model_hooks.param_checks == (tp.MegatronCheck("tensor"),)
     assert strategy.model_hooks.name_choices == (tp.KeyValueHeads("tensor"),)
     assert px.TensorParallel("tensor") == px.TensorParallel("tensor")
-    # Key/value heads split when 4 divides them and stay whole when 4 is a multiple of them.
-    for heads in (8, 2):
+    # GSPMD: key/value heads split when 4 divides them and stay whole otherwise (GSPMD
+    # computes attention with whole K/V for any count): never refused.
+    for heads in (8, 2, 3):
         tp.MegatronCheck("tensor")(("embed", "kv_heads", "kv"), (48, heads, 8), _mesh4())
 
 

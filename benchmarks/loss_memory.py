@@ -9,7 +9,7 @@ float32 logits at once, the loss before chunking). Run against a parallax withou
 ``loss_chunks`` it measures that parallax's only loss (the "before" row).
 
 Usage:
-  python benchmarks/loss_memory.py [--model gpt2_124m] [--batch 16] [--seq 1024]
+  python benchmarks/loss_memory.py [--model gpt2_124m] [--batch 16] [--seq 1024] [--layers N]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 
 
-def peak_bytes(model: str, batch: int, seq: int, chunks) -> tuple[int, bool]:
+def peak_bytes(model: str, batch: int, seq: int, chunks, layers=None) -> tuple[int, bool]:
     """(peak bytes, whether a float32 [B, T, V] buffer is in the HLO) of one compiled step."""
     import jax
     import jax.numpy as jnp
@@ -29,6 +29,8 @@ def peak_bytes(model: str, batch: int, seq: int, chunks) -> tuple[int, bool]:
     from parallax.analysis import hlo
 
     config = getattr(px.models.GPTConfig, model)(max_seq_len=seq)
+    if layers is not None:
+        config = dataclasses.replace(config, num_layers=layers)
     if any(f.name == "loss_chunks" for f in dataclasses.fields(config)):
         config = dataclasses.replace(config, loss_chunks=chunks)
     state = jax.eval_shape(lambda: px.TrainState.create(
@@ -51,16 +53,17 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="gpt2_124m")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=None, help="override num_layers")
     args = parser.parse_args(argv)
     import jax
 
     import parallax as px
 
-    print(f"{args.model}, {args.batch} x {args.seq} tokens, jax {jax.__version__}, "
+    print(f"{args.model} (layers: {args.layers or 'all'}), {args.batch} x {args.seq} tokens, jax {jax.__version__}, "
           f"parallax {px.__version__}")
     print(f"{'loss':<28}{'peak GiB':>10}  f32 [B, T, V] in HLO")
     for label, chunks in (("chunked (default)", None), ("whole logits (loss_chunks=1)", 1)):
-        peak, has_logits = peak_bytes(args.model, args.batch, args.seq, chunks)
+        peak, has_logits = peak_bytes(args.model, args.batch, args.seq, chunks, args.layers)
         print(f"{label:<28}{peak / 2**30:>10.2f}  {'yes' if has_logits else 'no'}", flush=True)
 
 

@@ -4,10 +4,12 @@ A language model's loss is ``cross_entropy(x W^T, labels)`` for hidden states ``
 and an output matrix ``W`` ``[V, D]``. Computed at once, the float32 logits ``[B, T, V]``
 (3.3 GB for GPT-2 at 16 x 1024 tokens) and their gradient are the largest buffers of a step.
 Here the positions are split into ``n`` chunks; a ``lax.map`` over the chunks computes each
-chunk's logits, their log-sum-exp and target logit, and keeps only the ``[B, T / n]`` losses.
-The chunk's body is rematerialised (``jax.checkpoint``), so the backward pass recomputes one
-chunk's logits at a time too: no ``[B, T, V]`` buffer exists forward or backward, and the
-output matrix's gradient is summed over the chunks as the map's transpose runs.
+chunk's logits, their log-sum-exp and target logit, and keeps only the ``[B, T / n]`` losses
+and log-sum-exps. A ``custom_vjp`` writes the backward: a ``lax.scan`` over the same chunks
+recomputes one chunk's logits at a time, forms ``(softmax - onehot) g`` from the saved
+log-sum-exp (no max or sum is recomputed, so no all-reduce is re-run), and sums the output
+matrix's gradient in float32 in the scan's carry. No ``[B, T, V]`` buffer exists forward or
+backward.
 
 Chunk ``j`` holds positions ``j, j + n, j + 2n, ...`` (a stride, not a block): a sequence
 split over devices in blocks (context and sequence parallelism) keeps its split inside every

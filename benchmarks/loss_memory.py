@@ -59,7 +59,8 @@ def main(argv=None) -> None:
 
     import parallax as px
 
-    print(f"{args.model} (layers: {args.layers or 'all'}), {args.batch} x {args.seq} tokens, jax {jax.__version__}, "
+    print(f"{args.model} (layers: {args.layers or 'all'}), {args.batch} x {args.seq} tokens, "
+          f"jax {jax.__version__}, "
           f"parallax {px.__version__}")
     print(f"{'loss':<32}{'peak GiB':>10}  f32 [B, T, V] in HLO")
     import dataclasses as dc

@@ -2,9 +2,9 @@
 
 ``TensorParallel(axis)`` maps the logical axes ``"heads"``, ``"mlp"`` and ``"vocab"`` to
 ``axis``, and grouped-query attention's key/value heads ``"kv_heads"`` too when ``axis``
-divides them (a per-array choice, :class:`KeyValueHeads`; fewer heads than ranks are kept
-whole on every rank, as Megatron-LM and transformers' tensor-parallel plans do). On a model annotated like ``px.models.GPT`` that is Megatron's layout, and XLA
-inserts Megatron's collectives: per transformer layer one all-reduce of the ``[B, T, D]``
+divides them (a per-array choice, :class:`KeyValueHeads`, as Megatron-LM and transformers'
+tensor-parallel plans do; otherwise they are kept whole on every rank). On a model annotated
+like ``px.models.GPT`` that is Megatron's layout, and XLA inserts Megatron's collectives: per transformer layer one all-reduce of the ``[B, T, D]``
 activations after attention and one after the MLP, and one each in the backward pass; with
 ``sequence_parallel=True`` each becomes a reduce-scatter plus an all-gather. The explicit
 form (``shard_map`` with Megatron's ``f``/``g`` operators) is ``parallax.nn``; see

@@ -123,8 +123,8 @@ def test_a_checkpoint_of_the_unfused_model_layout_says_how_to_move_it(tmp_path):
     new = {"blocks": {"attn": {"qkv": {"kernel": np.zeros((8, 3, 2, 4), np.float32)}}}}
     with pytest.raises(ValueError, match=re.escape(
             "The checkpoint holds px.models' layout from before fused projections "
-            "(['blocks']['attn']['key']['kernel']: separate query/key/value kernels, or gate and up); this "
-            "parallax keeps them fused (attn.qkv [D, 3, H, K] in the GPT, attn.key_value "
+            "(['blocks']['attn']['key']['kernel']: separate query/key/value kernels, or gate "
+            "and up); this parallax keeps them fused (attn.qkv [D, 3, H, K] in the GPT, attn.key_value "
             "[D, 2, G, K] and mlp.gate_up [D, 2, F] in the Llama). Move the weights with "
             "px.models.save_pretrained in the parallax that saved it and "
             "px.models.from_pretrained here")):

@@ -30,6 +30,7 @@ def constrain(x: jax.Array, names: Names) -> jax.Array:
     ctx = context.current()
     if ctx is None:
         return x
+    names = ctx.strategy.model_hooks.choose_names(names, x.shape, ctx.mesh)
     spec = resolve_spec(
         names,
         x.shape,

@@ -101,6 +101,7 @@ def param_layouts(params, strategy: Strategy, mesh, api: str,
         if names is not None and not leaf.physical:
             for check in hooks.param_checks:  # strategy-specific messages come first
                 check(names, shape, mesh, path=prefix + leaf.path, api=api)
+            names = hooks.choose_names(names, shape, mesh)
         base = rules_lib.resolve_spec(
             names, shape, table, mesh, api=api, physical=leaf.physical,
             path=jax.tree_util.keystr(prefix + leaf.path),

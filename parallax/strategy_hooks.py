@@ -112,12 +112,26 @@ class ModelHooks:
       before_loss: called as ``hook(model)`` on the NNX module ``px.value_and_grad``
         rebuilds inside the traced loss, before the loss runs (a tensor-parallel plan with
         sequence parallelism pins activation layouts on the stock modules it styles).
+      name_choices: per-array choices that need the sizes, called as ``choose(names,
+        shape, mesh) -> names`` on every parameter (after ``param_checks``) and every
+        activation ``px.constrain`` resolves, before the rules map the names
+        (``TensorParallel``: key/value heads split when the tensor size divides them, kept
+        whole when it does not).
     """
 
     param_checks: tuple[Callable, ...] = ()
     param_names: tuple[Callable, ...] = ()
     layout_checks: tuple[Callable, ...] = ()
     before_loss: tuple[Callable, ...] = ()
+    name_choices: tuple[Callable, ...] = ()
+
+    def choose_names(self, names, shape, mesh):
+        """``names`` after every ``name_choices`` entry (unchanged without any)."""
+        if names is None:
+            return names
+        for choose in self.name_choices:
+            names = choose(tuple(names), tuple(shape), mesh)
+        return names
 
     def __add__(self, other: ModelHooks) -> ModelHooks:
         return ModelHooks(*(tuple(dict.fromkeys(getattr(self, f.name) + getattr(other, f.name)))

@@ -514,8 +514,8 @@ CASES = [
      lambda _: px.nn.param_specs(nnx.state(abstract(lambda: px.nn.ParallelSelfAttention(
          48, 6, num_kv_heads=3, rngs=nnx.Rngs(0))), nnx.Param),
          px.make_mesh(tensor=4, devices=jax.devices()[:4])), V,
-     r"px.nn.param_specs: \['key'\]\['kernel'\] has shape \(48, 3, 8\): its 'kv_heads' "
-     r"dimension 1 has 3 entries"),
+     r"px.nn.param_specs: \['key_value'\]\['kernel'\] has shape \(48, 2, 3, 8\): its "
+     r"'kv_heads' dimension 2 has 3 entries"),
     # pipelines
     ("pipeline", "a float stage count", lambda _: px.pipeline.schedule("1f1b", 2.0, 8), T,
      r"schedule: stages must be an int, got 2.0"),

@@ -3,7 +3,7 @@ under DP 2 x FSDP 2 x TP 2, as torchtitan writes a layer plan.
 
 Read a row as: the stacked blocks' leading ``layers`` axis is never split (each scan
 iteration reads one layer locally); tensor parallelism splits heads, the MLP width and the
-vocabulary over ``tensor`` (query/key/value and ``fc`` by columns, ``out`` and ``proj`` by
+vocabulary over ``tensor`` (the fused q/k/v kernel and ``fc`` by columns, ``out`` and ``proj`` by
 rows); ZeRO 3 then shards the largest dimension still free over ``fsdp``; ``data`` holds
 full replicas. Trailing unsharded dimensions are left out, as JAX prints shardings.
 """
@@ -16,13 +16,11 @@ from parallax import layout
 from parallax.rules import readable_path
 
 PLAN = {
-    "['blocks']['attn']['key']['kernel']": P(None, "fsdp", "tensor"),      # (L, D, H, hd)
     "['blocks']['attn']['out']['bias']": P(None, "fsdp"),                  # (L, D)
     "['blocks']['attn']['out']['kernel']": P(None, "tensor", None, "fsdp"),  # (L, H, hd, D)
-    "['blocks']['attn']['query']['bias']": P(None, "tensor", "fsdp"),      # (L, H, hd)
-    "['blocks']['attn']['query']['kernel']": P(None, "fsdp", "tensor"),    # (L, D, H, hd)
-    "['blocks']['attn']['value']['bias']": P(None, "tensor", "fsdp"),      # (L, H, hd)
-    "['blocks']['attn']['value']['kernel']": P(None, "fsdp", "tensor"),    # (L, D, H, hd)
+    "['blocks']['attn']['qkv']['kernel']": P(None, "fsdp", None, "tensor"),  # (L, D, 3, H, hd)
+    "['blocks']['attn']['query_bias']": P(None, "tensor", "fsdp"),         # (L, H, hd)
+    "['blocks']['attn']['value_bias']": P(None, "tensor", "fsdp"),         # (L, H, hd)
     "['blocks']['ln1']['bias']": P(None, "fsdp"),                          # (L, D)
     "['blocks']['ln1']['scale']": P(None, "fsdp"),
     "['blocks']['ln2']['bias']": P(None, "fsdp"),

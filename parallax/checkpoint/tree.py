@@ -154,8 +154,9 @@ def check_matches(saved: dict[Name, Any], wanted: list[tuple[Any, Name, Any]], a
     ``wanted`` is :func:`named_leaves` of the abstract ``like``; leaves are compared in its
     order (shape and dtype), then any leaf only the checkpoint has is named.
     """
-    fix = ("Build `like` the way the saved state was built (same model sizes, same "
-           "optimizer, same kind of state), or restore into that state and convert it.")
+    fix = _unfused_layout(saved) or (
+        "Build `like` the way the saved state was built (same model sizes, same optimizer, "
+        "same kind of state), or restore into that state and convert it.")
     for path, name, leaf in wanted:
         got = saved.get(name)
         if got is None or not _same(got, leaf):
@@ -169,6 +170,26 @@ def check_matches(saved: dict[Name, Any], wanted: list[tuple[Any, Name, Any]], a
             raise ValueError(
                 f"{api}: the checkpoint {where} does not match `like` at {name_text(name)}: "
                 f"the checkpoint holds {describe_leaf(got)}, `like` expects nothing. {fix}")
+
+
+# Leaves of px.models' layout before their projections were fused (names, not imports: the
+# checkpoint sits below the models): a checkpoint that holds one was saved by an older parallax.
+_UNFUSED = (("attn", "key", "kernel"), ("mlp", "gate", "kernel"))
+
+
+def _unfused_layout(saved: dict[Name, Any]) -> str | None:
+    """The fix for a checkpoint of px.models' unfused layout, or None for any other."""
+    found = [name for name in saved if any(
+        name[i:i + 3] == old for old in _UNFUSED for i in range(len(name) - 2))]
+    if not found:
+        return None
+    return (f"The checkpoint holds px.models' layout from before fused projections "
+            f"({name_text(found[0])}: separate query/key/value kernels, or gate and up); "
+            "this parallax keeps them fused (attn.qkv [D, 3, H, K] in the GPT, "
+            "attn.key_value [D, 2, G, K] and mlp.gate_up [D, 2, F] in the Llama). Move the "
+            "weights with px.models.save_pretrained in the parallax that saved it and "
+            "px.models.from_pretrained here (the optimizer state starts anew); see "
+            "docs/models.md.")
 
 
 def restored_state(nested: dict, wanted: list[tuple[Any, Name, Any]], treedef):

@@ -12,7 +12,7 @@ from parallax.models.gpt import GPT as GPT
 from parallax.models.gpt_config import GPTConfig as GPTConfig
 from parallax.models.gpt import block_forward as block_forward
 from parallax.models.gpt_config import flops_per_token as flops_per_token
-from parallax.models.gpt import next_token_loss as next_token_loss
+from parallax.models.losses import next_token_loss as next_token_loss
 from parallax.models.gpt_config import param_count as param_count
 from parallax.models.gpt_pipeline import next_token_stages as next_token_stages
 from parallax.models.llama import Llama as Llama
@@ -28,7 +28,7 @@ from parallax.models.parallel_gpt import parallel_next_token_loss as parallel_ne
 from parallax.nn.moe import MoE as MoE
 from parallax.nn.moe import aux_loss as moe_aux_loss
 from parallax.nn.moe_config import MoEConfig as MoEConfig
-from parallax.models.gpt import moe_next_token_loss as moe_next_token_loss
+from parallax.models.losses import moe_next_token_loss as moe_next_token_loss
 from parallax.models.mlp import mse_loss as mse_loss
 from parallax.models.pretrained import from_pretrained as from_pretrained
 from parallax.models.pretrained import save_pretrained as save_pretrained

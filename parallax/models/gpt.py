@@ -17,21 +17,19 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from parallax.attention import (in_sequence_order, natural_order, sequence_positions,
-                                token_embeddings, whole_labels)
+                                token_embeddings)
 from parallax import finite_check
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.token_checks import check_positions, check_sequence, check_token_ids
-from parallax.models.gpt_moe import apply_moe_blocks, take_stats
-from parallax.models.packed_batch import split_batch
+from parallax.models.gpt_moe import apply_moe_blocks
 from parallax.models.remat import remat_layer
-from parallax.nn.moe import MoE, aux_loss
+from parallax.nn.moe import MoE
 from parallax.nn.layers import (
     CausalSelfAttention,
     FeedForward,
@@ -41,7 +39,7 @@ from parallax.nn.layers import (
     annotated_param,
     gather_sequence,
 )
-from parallax.nn.loss import cross_entropy
+from parallax.nn.chunked_loss import chunked_cross_entropy
 from parallax.nn.padding import mask_padded_logits, padded_init
 from parallax.activations import constrain
 
@@ -201,6 +199,19 @@ class GPT(nnx.Module):
 
         return body(x, self.blocks)
 
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        """The final LayerNorm, in natural order with the sequence whole: what the output
+        projection reads. Under context or sequence parallelism the positions come back
+        from the devices that hold them; the vocabulary-parallel loss needs whole rows."""
+        return gather_sequence(natural_order(self.ln_f(x), "GPT.unembed"), WHOLE_SEQUENCE)
+
+    def output_matrix(self) -> tuple[jax.Array, bool]:
+        """``(W, transposed)``: ``wte`` ``[V, D]`` (tied) or ``head`` ``[D, V]``, in the
+        compute dtype (the logits accumulate in float32 whatever it is)."""
+        if self.head is None:
+            return self.wte[...].astype(self.config.dtype), False
+        return self.head[...].astype(self.config.dtype), True
+
     def unembed(self, x: jax.Array) -> jax.Array:
         """Final LayerNorm and output projection: ``[B, T, D]`` -> float32 logits ``[B, T, V]``.
 
@@ -208,90 +219,32 @@ class GPT(nnx.Module):
         The logits are split by vocabulary (never by sequence: the vocabulary-parallel
         loss needs whole rows of positions), so no device holds all of them.
         """
-        x = gather_sequence(natural_order(self.ln_f(x), "GPT.unembed"), WHOLE_SEQUENCE)
-        if self.head is None:
-            w, spec = self.wte[...], "btd,vd->btv"
-        else:
-            w, spec = self.head[...], "btd,dv->btv"
-        # Accumulate in fp32 whatever the compute dtype: the loss needs fp32 logits.
-        w = w.astype(self.config.dtype)
-        logits = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+        w, transposed = self.output_matrix()
+        spec = "btd,dv->btv" if transposed else "btd,vd->btv"
+        logits = jnp.einsum(spec, self.final_hidden(x), w, preferred_element_type=jnp.float32)
         if self.config.padded_vocab_size > self.config.vocab_size:
             logits = mask_padded_logits(logits, self.config.vocab_size)
         return constrain(logits, ("batch", None, "vocab"))
 
+    def token_losses(self, x: jax.Array, labels: jax.Array) -> jax.Array:
+        """The float32 cross-entropy ``[B, T]`` of the residual stream ``x`` against ``labels``,
+        with the logits computed ``config.loss_chunks`` chunks of the sequence at a time
+        (:func:`parallax.nn.chunked_cross_entropy`): equal to ``cross_entropy(unembed(x),
+        labels)``, without ``[B, T, V]`` logits."""
+        w, transposed = self.output_matrix()
+        c = self.config
+        return chunked_cross_entropy(
+            self.final_hidden(x), w, labels, transposed=transposed, chunks=c.loss_chunks,
+            vocab_size=c.vocab_size if c.padded_vocab_size > c.vocab_size else None)
+
+    def hidden_states(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None) -> jax.Array:
+        """The residual stream after the last block, ``[B, T, D]``: ``embed`` then the blocks
+        (packed documents: ``segment_ids`` and ``positions`` ``[B, T]``)."""
+        segment_ids = None if segment_ids is None else in_sequence_order(segment_ids, "GPT")
+        return self.apply_blocks(self.embed(tokens, positions), segment_ids)
+
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
-        segment_ids = None if segment_ids is None else in_sequence_order(segment_ids, "GPT")
-        return self.unembed(self.apply_blocks(self.embed(tokens, positions), segment_ids))
-
-
-def next_token_loss(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy over all B * T positions, in float32.
-
-    Args:
-      model: a ``GPT`` (any callable from tokens ``[B, T]`` to logits ``[B, T, V]``, taking
-        ``segment_ids=`` and ``positions=`` too for packed rows, as ``GPT`` and ``Llama`` do).
-      batch: ``{"tokens": int [B, T + 1]}``; inputs ``tokens[:, :-1]``, targets
-        ``tokens[:, 1:]``. Packed rows (``parallax.data``) add ``"segment_ids"`` and
-        ``"positions"`` ``[B, T + 1]``: attention stays within documents; a target in another
-        document (a document's last token) or padding counts zero (``models.packed_batch``).
-
-    Returns:
-      A float32 scalar: a plain mean over the B * T positions (those that do not count add
-      zero), so every position weighs the same and the mean of equal-sized shards' losses
-      is the full batch's (what data parallelism relies on).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from parallax.models import GPT, GPTConfig, next_token_loss
-      >>> tokens = jnp.arange(34, dtype=jnp.int32).reshape(2, 17)
-      >>> loss = next_token_loss(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), {"tokens": tokens})
-      >>> bool(5.0 < loss < 6.0)  # about log(256) = 5.55 at init
-      True
-    """
-    inputs, targets, packed, weights = split_batch("next_token_loss", batch)
-    config = getattr(model, "config", None)
-    if isinstance(config, GPTConfig):  # the targets too: the last column is never embedded
-        check_token_ids("next_token_loss", batch["tokens"], config.vocab_size)
-    logits = jnp.asarray(model(inputs, **packed), jnp.float32)
-    losses = cross_entropy(logits, whole_labels(targets))
-    return jnp.mean(losses if weights is None else losses * weights)
-
-
-def moe_next_token_loss(model: GPT, batch: Mapping[str, jax.Array]):
-    """``next_token_loss`` plus the MoE router's auxiliary losses, with the statistics.
-
-    For ``loss_fn`` with ``has_aux=True``: the loss is the cross-entropy plus
-    ``balance_coef * load_balance_loss + z_coef * router_z_loss`` (summed over layers).
-
-    Args:
-      model: a ``GPT`` whose config has ``moe=MoEConfig(...)``.
-      batch: ``{"tokens": int [B, T + 1]}``.
-
-    Returns:
-      ``(loss, stats)``: ``stats`` holds ``cross_entropy``, ``load_balance_loss``,
-      ``router_z_loss``, ``dropped_fraction`` (scalars) and ``expert_load`` ``[L, E]``.
-      Note: under ``px.value_and_grad`` an aux array whose leading dimension equals a
-      device's batch rows is read as per-example; keep ``L != rows`` (or drop it).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from parallax.models import GPT, GPTConfig, MoEConfig, moe_next_token_loss
-      >>> model = GPT(GPTConfig.tiny(moe=MoEConfig(num_experts=4)), rngs=nnx.Rngs(0))
-      >>> loss, stats = moe_next_token_loss(model, {"tokens": jnp.ones((2, 9), jnp.int32)})
-      >>> stats["expert_load"].shape
-      (2, 4)
-
-    References:
-      Fedus et al. 2021, "Switch Transformers"; Zoph et al. 2022, "ST-MoE".
-    """
-    if not isinstance(getattr(model, "config", None), GPTConfig) or model.config.moe is None:
-        raise ValueError("moe_next_token_loss: the model must be a GPT built from "
-                         "GPTConfig(moe=MoEConfig(...)); use next_token_loss for a dense GPT.")
-    ce = next_token_loss(model, batch)
-    stats = take_stats(model)
-    loss = ce + aux_loss(stats, model.config.moe)
-    return loss, {"cross_entropy": ce, **stats}
+        return self.unembed(self.hidden_states(tokens, segment_ids=segment_ids,
+                                               positions=positions))

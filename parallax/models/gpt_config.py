@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from parallax.nn.moe_config import MoEConfig
+from parallax.nn.chunked_loss import check_loss_chunks
 from parallax.nn.padding import padded_size
 from parallax.models.remat import check_policy
 
@@ -45,6 +46,10 @@ class GPTConfig:
         ``"none"`` (the default: nothing), ``"full"``, ``"dots"`` (keep the matmul outputs)
         or ``"offload"`` (those, in host memory); see :mod:`parallax.models.remat` for the
         policies and their flops. Under ``px.Pipeline`` the pipeline's own ``remat=`` applies.
+      loss_chunks: how many chunks of the sequence ``next_token_loss`` computes the logits
+        in (:func:`parallax.nn.chunked_cross_entropy`; a divisor of the sequence length).
+        None (the default) picks the smallest divisor with chunk logits no larger than the
+        hidden states; 1 computes all ``[B, T, V]`` logits at once.
 
     Example:
       >>> from parallax.models import GPTConfig
@@ -64,9 +69,11 @@ class GPTConfig:
     vocab_pad_multiple: int = 1
     moe: MoEConfig | None = None
     remat: str = "none"
+    loss_chunks: int | None = None
 
     def __post_init__(self):
         check_policy(self.remat, "GPTConfig")
+        check_loss_chunks("GPTConfig", self.loss_chunks)
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"GPTConfig: moe must be a MoEConfig or None, got "
                             f"{type(self.moe).__name__}: {self.moe!r}.")

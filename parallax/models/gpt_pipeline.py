@@ -34,7 +34,8 @@ from collections.abc import Mapping
 
 import jax
 
-from parallax.models.gpt import GPT, Block, block_forward, next_token_loss
+from parallax.models.gpt import GPT, Block, block_forward
+from parallax.models.losses import next_token_loss
 from parallax.models.gpt_moe import (
     moe_block_with_stats_row,
     split_stats_row,
@@ -75,18 +76,37 @@ def apply_block(block: Block, x: jax.Array) -> jax.Array:
     return block_forward(block, x)
 
 
-def head_loss(model: GPT, x: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
-    """Last stage: ``next_token_loss`` with ``model.unembed(x)`` as the logits.
+class _LastStage:
+    """``next_token_loss``'s view of the last stage: a model whose hidden states are ``x``
+    (the pipeline's activations) and whose head and loss are ``model``'s."""
 
-    The loss itself is ``next_token_loss``'s code, called with a stand-in model that returns
-    these logits, so the two cannot drift apart. For an MoE GPT it adds the router's
-    auxiliary losses carried in the stats row, as ``moe_next_token_loss`` does.
+    def __init__(self, model, x: jax.Array):
+        self.model, self.x = model, x
+
+    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+        del tokens  # the earlier stages embedded them
+        return self.x
+
+    def token_losses(self, x: jax.Array, labels: jax.Array) -> jax.Array:
+        return self.model.token_losses(x, labels)
+
+
+def head_loss(model: GPT, x: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """Last stage: ``next_token_loss`` from the hidden states ``x``.
+
+    The loss itself is ``next_token_loss``'s code (the chunked head and cross-entropy of
+    ``model.token_losses``), called with a stand-in model whose hidden states are ``x``, so
+    the two cannot drift apart. For an MoE GPT it adds the router's auxiliary losses carried
+    in the stats row, as ``moe_next_token_loss`` does.
     """
     moe = getattr(getattr(model, "config", None), "moe", None)
-    if moe is None:
-        return next_token_loss(lambda tokens: model.unembed(x), batch)
-    x, stats = split_stats_row(x)
-    return next_token_loss(lambda tokens: model.unembed(x), batch) + aux_loss(stats, moe)
+    if moe is not None:
+        x, stats = split_stats_row(x)
+    if hasattr(model, "token_losses"):
+        loss = next_token_loss(_LastStage(model, x), batch)
+    else:  # a model with logits only (ParallelGPT)
+        loss = next_token_loss(lambda tokens: model.unembed(x), batch)
+    return loss if moe is None else loss + aux_loss(stats, moe)
 
 
 next_token_stages = Stages(

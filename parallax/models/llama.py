@@ -9,9 +9,9 @@ parallelism, pipelines via :data:`llama_stages`) applies here. ``px.models.next_
 is its loss.
 
 Tensor-parallel plan (Megatron's layout, as data in :data:`TENSOR_PLAN`): q column
-parallel by heads, k/v by key/value heads (replicated when fewer than the tensor ranks),
-o row parallel; gate and up column parallel, down row parallel; embedding and head
-vocabulary parallel. The logical names the layers carry are that plan, so
+parallel by heads, the fused k/v by key/value heads (replicated when the tensor size does
+not divide them), o row parallel; the fused gate/up column parallel, down row parallel;
+embedding and head vocabulary parallel. The logical names the layers carry are that plan, so
 ``px.TensorParallel("tensor")`` needs no ``plan=``.
 
 References:
@@ -36,6 +36,7 @@ from parallax.models.llama_config import LlamaConfig
 from parallax.models.packed_batch import refuse_packed
 from parallax.models.remat import remat_layer
 from parallax.models.token_checks import check_positions, check_sequence, check_token_ids
+from parallax.nn.chunked_loss import chunked_cross_entropy
 from parallax.nn.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
 from parallax.nn.padding import mask_padded_logits, padded_init
 from parallax.nn.rope import rope_frequencies
@@ -46,11 +47,9 @@ from parallax import finite_check
 TENSOR_PLAN = {
     "embed": "vocab",
     "blocks.attn.query": "colwise",
-    "blocks.attn.key": "colwise",
-    "blocks.attn.value": "colwise",
+    "blocks.attn.key_value": "colwise",
     "blocks.attn.out": "rowwise",
-    "blocks.mlp.gate": "colwise",
-    "blocks.mlp.up": "colwise",
+    "blocks.mlp.gate_up": "colwise",
     "blocks.mlp.down": "rowwise",
     "blocks.*_norm": "sequence",
     "norm": "sequence",
@@ -195,28 +194,50 @@ class Llama(nnx.Module):
 
         return body(x, self.blocks)
 
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        """The final RMSNorm, in natural order with the sequence whole (as ``GPT``'s)."""
+        return gather_sequence(natural_order(self.norm(x), "Llama.unembed"), WHOLE_SEQUENCE)
+
+    def output_matrix(self) -> tuple[jax.Array, bool]:
+        """``(W, transposed)``: ``embed`` ``[V, D]`` (tied) or ``head`` ``[D, V]``, in the
+        compute dtype."""
+        if self.head is None:
+            return self.embed[...].astype(self.config.dtype), False
+        return self.head[...].astype(self.config.dtype), True
+
     def unembed(self, x: jax.Array) -> jax.Array:
         """Final RMSNorm and output projection: ``[B, T, D]`` -> float32 logits ``[B, T, V]``."""
-        x = gather_sequence(natural_order(self.norm(x), "Llama.unembed"), WHOLE_SEQUENCE)
-        if self.head is None:
-            w, spec = self.embed[...], "btd,vd->btv"
-        else:
-            w, spec = self.head[...], "btd,dv->btv"
-        logits = jnp.einsum(spec, x, w.astype(self.config.dtype),
-                            preferred_element_type=jnp.float32)
+        w, transposed = self.output_matrix()
+        spec = "btd,dv->btv" if transposed else "btd,vd->btv"
+        logits = jnp.einsum(spec, self.final_hidden(x), w, preferred_element_type=jnp.float32)
         if self.config.padded_vocab_size > self.config.vocab_size:
             logits = mask_padded_logits(logits, self.config.vocab_size)
         return constrain(logits, ("batch", None, "vocab"))
 
-    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def token_losses(self, x: jax.Array, labels: jax.Array) -> jax.Array:
+        """float32 cross-entropy ``[B, T]`` of the residual stream ``x``, the logits a chunk of
+        the sequence at a time (as ``GPT.token_losses``)."""
+        w, transposed = self.output_matrix()
+        c = self.config
+        return chunked_cross_entropy(
+            self.final_hidden(x), w, labels, transposed=transposed, chunks=c.loss_chunks,
+            vocab_size=c.vocab_size if c.padded_vocab_size > c.vocab_size else None)
+
+    def hidden_states(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None) -> jax.Array:
+        """The residual stream after the last block, ``[B, T, D]`` (packed documents:
+        ``segment_ids`` and ``positions`` ``[B, T]``)."""
         check_positions("Llama", tokens, positions)
         if segment_ids is not None:
             segment_ids = in_sequence_order(segment_ids, "Llama")
         if positions is not None:
             positions = in_sequence_order(positions, "Llama")
-        x = self.apply_blocks(self.embed_tokens(tokens), segment_ids, positions)
-        return self.unembed(x)
+        return self.apply_blocks(self.embed_tokens(tokens), segment_ids, positions)
+
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        return self.unembed(self.hidden_states(tokens, segment_ids=segment_ids,
+                                               positions=positions))
 
 
 def _first(model: Llama, batch: Mapping[str, jax.Array]) -> jax.Array:

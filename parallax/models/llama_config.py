@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from parallax.models.remat import check_policy
+from parallax.nn.chunked_loss import check_loss_chunks
 from parallax.nn.padding import padded_size
 from parallax.nn.rope import RopeScaling
 
@@ -42,6 +43,8 @@ class LlamaConfig:
       vocab_pad_multiple: pad the vocabulary to a multiple of this (as ``GPTConfig``).
       remat: what the backward recomputes of each scanned block: ``"none"`` (the default),
         ``"full"``, ``"dots"`` or ``"offload"`` (:mod:`parallax.models.remat`).
+      loss_chunks: chunks of the sequence for the loss's logits (as ``GPTConfig``; None
+        picks them, 1 computes all logits at once).
 
     Example:
       >>> from parallax.models import LlamaConfig
@@ -64,9 +67,11 @@ class LlamaConfig:
     param_dtype: Any = jnp.float32
     vocab_pad_multiple: int = 1
     remat: str = "none"
+    loss_chunks: int | None = None
 
     def __post_init__(self):
         check_policy(self.remat, "LlamaConfig")
+        check_loss_chunks("LlamaConfig", self.loss_chunks)
         for field in _SIZES + ("vocab_pad_multiple",):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

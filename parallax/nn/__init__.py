@@ -8,8 +8,10 @@ plain layer on one device and a GSPMD layer under a strategy's rules. Two kinds 
   MLP, ``annotated_param``), :mod:`~parallax.nn.llama_layers` (``RMSNorm``, grouped-query
   attention, ``SwiGLU``), :mod:`~parallax.nn.rope`, :mod:`~parallax.nn.padding` (padded
   vocabularies), :class:`MoE` with its :class:`MoEConfig` (``px.ExpertParallel`` splits
-  its experts, see ``docs/moe.md``) and :func:`cross_entropy` (the models' loss, which
-  GSPMD splits over a vocabulary-parallel axis as Megatron does);
+  its experts, see ``docs/moe.md``), :func:`cross_entropy` (which GSPMD splits over a
+  vocabulary-parallel axis as Megatron does) and :func:`chunked_cross_entropy` (the models'
+  loss: the same from hidden states and the output matrix, the logits a chunk of the
+  sequence at a time);
 * Megatron's layers in the explicit style: inside a ``shard_map`` manual over the tensor
   axis (``tensor_parallel``) each is the Megatron layer on its local shard, communicating
   through the named operators of :mod:`parallax.nn.regions`:
@@ -45,6 +47,7 @@ from parallax.nn.linear import ParallelMLP as ParallelMLP
 from parallax.nn.linear import RowParallelLinear as RowParallelLinear
 from parallax.nn.moe import MoE as MoE
 from parallax.nn.moe_config import MoEConfig as MoEConfig
+from parallax.nn.chunked_loss import chunked_cross_entropy as chunked_cross_entropy
 from parallax.nn.loss import cross_entropy as cross_entropy
 from parallax.nn.loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from parallax.nn.regions import copy_to_tensor as copy_to_tensor
@@ -70,7 +73,9 @@ __all__ = [
     "ParallelSelfAttention",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "chunked_cross_entropy",
     "copy_to_tensor",
+    "cross_entropy",
     "dropout",
     "gather_from_sequence",
     "gather_from_tensor",

@@ -1,10 +1,10 @@
 """Megatron's parallel self-attention: heads split over ranks, grouped-query attention included.
 
 Each rank computes the attention of ``H / T`` query heads from the whole input: the query,
-key and value projections are column parallel and share one ``f`` (or, under sequence
-parallelism, one all-gather of the sequence), so their three input gradients are summed
-before the single all-reduce; the output projection is row parallel and ends in ``g``. Per
-call: one all-reduce forward, one backward.
+key and value projections are column parallel (one fused kernel, one matmul) and share one
+``f`` (or, under sequence parallelism, one all-gather of the sequence), so their input
+gradients are summed before the single all-reduce; the output projection is row parallel
+and ends in ``g``. Per call: one all-reduce forward, one backward.
 
 Grouped-query attention (``num_kv_heads < num_heads``, Ainslie et al. 2023) shares each
 key/value head among ``num_heads / num_kv_heads`` query heads. With at least as many
@@ -29,11 +29,14 @@ from flax import nnx
 from jax import lax
 
 from parallax.nn import regions, rng
+from parallax.nn.layers import QKV, annotated_param
 from parallax.nn.linear import ColumnParallelLinear, RowParallelLinear
+from parallax.nn.llama_layers import KEY_VALUE
 from parallax.activations import constrain
 
 Initializer = nnx.initializers.Initializer
 _HEADS = ("batch", None, "heads", "kv")  # GSPMD: the sequence stays whole for attention
+_KV_HEADS = ("batch", None, "kv_heads", "kv")
 
 
 def check_heads(api: str, num_heads: int, num_kv_heads: int, axis: str, size: int) -> None:
@@ -77,10 +80,13 @@ def attend(q, k, v, *, causal: bool = True, dropout_rate: float = 0.0, dropout_k
 class ParallelSelfAttention(nnx.Module):
     """Multi-head (or grouped-query) causal self-attention over ``[B, T, D]``, heads split.
 
-    Parameter names and shapes follow ``px.models``' ``CausalSelfAttention`` (``query``,
-    ``key``, ``value`` kernels ``[D, H, K]``, no key bias, ``out`` ``[H, K, D]``), so with
-    ``num_kv_heads=None`` the state of one loads into the other. Key/value kernels of a
-    grouped-query layer are ``[D, G, K]``, their head dimension named ``"kv_heads"``.
+    Parameter names and shapes follow ``px.models``' ``CausalSelfAttention`` (one fused
+    ``qkv`` kernel ``[D, 3, H, K]``, biases ``query_bias`` and ``value_bias`` ``[H, K]``, no
+    key bias, ``out`` ``[H, K, D]``), so with ``num_kv_heads=None`` the state of one loads into
+    the other. A grouped-query layer has ``query`` ``[D, H, K]`` and a fused ``key_value``
+    ``[D, 2, G, K]`` (its head dimension named ``"kv_heads"``; biases ``[H, K]`` and
+    ``[G, K]``), as ``px.models.Llama``'s attention: its query heads split whether or not the
+    key/value heads do. Each fused kernel is one matmul.
 
     Args:
       embed_dim: D, a multiple of ``num_heads``.
@@ -98,8 +104,8 @@ class ParallelSelfAttention(nnx.Module):
       >>> import jax.numpy as jnp, parallax.nn
       >>> from flax import nnx
       >>> attn = parallax.nn.ParallelSelfAttention(16, 4, num_kv_heads=2, rngs=nnx.Rngs(0))
-      >>> nnx.jit(attn)(jnp.ones((1, 5, 16))).shape
-      (1, 5, 16)
+      >>> nnx.jit(attn)(jnp.ones((1, 5, 16))).shape, attn.key_value.kernel.shape
+      ((1, 5, 16), (16, 2, 2, 4))
 
     References:
       Shoeybi et al., "Megatron-LM", 2019, figure 3b; Ainslie et al., "GQA", 2023.
@@ -123,46 +129,64 @@ class ParallelSelfAttention(nnx.Module):
         d, h, k = embed_dim, num_heads, embed_dim // num_heads
         self.num_heads, self.num_kv_heads, self.axis = h, g, axis
         self.causal, self.dropout_rate = causal, dropout_rate
-        kv_name = "heads" if g == h else "kv_heads"
         kw = dict(rngs=rngs, axis=axis, sequence_parallel=sequence_parallel, dtype=dtype,
-                  param_dtype=param_dtype)
-        self.query = ColumnParallelLinear(d, (h, k), names=("embed", "heads", "kv"),
-                                          kernel_init=kernel_init, **kw)
+                  param_dtype=param_dtype, kernel_init=kernel_init, use_bias=False)
+        zeros = nnx.initializers.zeros
+        if g == h:  # one kernel for q, k and v (Megatron's fused QKV)
+            self.qkv = ColumnParallelLinear(d, (3, h, k), names=QKV, **kw)
+            value_heads = "heads"
+        else:  # q on its own; k and v one kernel, its heads split only when T divides G
+            self.query = ColumnParallelLinear(d, (h, k), names=("embed", "heads", "kv"), **kw)
+            self.key_value = ColumnParallelLinear(d, (2, g, k), names=KEY_VALUE, **kw)
+            value_heads = "kv_heads"
         # No key bias: softmax cancels it (see docs/models.md), so it would train on noise.
-        self.key = ColumnParallelLinear(d, (g, k), names=("embed", kv_name, "kv"),
-                                        kernel_init=kernel_init, use_bias=False, **kw)
-        self.value = ColumnParallelLinear(d, (g, k), names=("embed", kv_name, "kv"),
-                                          kernel_init=kernel_init, **kw)
+        self.query_bias = annotated_param(zeros, None, (h, k), ("heads", "kv"), param_dtype)
+        self.value_bias = annotated_param(zeros, None, (g, k), (value_heads, "kv"),
+                                          param_dtype)
         self.out = RowParallelLinear((h, k), d, names=("heads", "kv", "embed"),
-                                     kernel_init=out_init, **kw)
+                                     **{**kw, "kernel_init": out_init, "use_bias": True})
 
-    def _key_value(self, proj: ColumnParallelLinear, x: jax.Array) -> jax.Array:
-        """k or v for this rank's query heads: ``[B, T, G_local, K]``."""
+    def _projections(self, x: jax.Array):
+        """q ``[B, T, H_local, K]`` and k, v for this rank's query heads, after ``f``."""
+        if self.num_kv_heads == self.num_heads:
+            x = self.qkv.enter(x)  # one f (or sequence all-gather) for q, k and v
+            qkv = self.qkv.project(x)
+            return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+        x = self.query.enter(x)  # one f for q and the fused k/v
+        q, proj = self.query.project(x), self.key_value
         n = regions.axis_size(self.axis)
         if n == 1 or self.num_kv_heads % n == 0:
-            return proj.project(x)
-        # Fewer key/value heads than ranks: all are replicated; use this rank's group.
+            kv = proj.project(x)
+        else:  # fewer key/value heads than ranks: all are kept; use this rank's group
+            head = regions.axis_index(self.axis) * self.num_kv_heads // n
+            kernel = lax.dynamic_slice_in_dim(proj.kernel[...], head, 1, axis=2)
+            dtype = proj.dtype or x.dtype
+            kv = jnp.tensordot(jnp.asarray(x, dtype), jnp.asarray(kernel, dtype), axes=1)
+        return q, kv[..., 0, :, :], kv[..., 1, :, :]
+
+    def _value_bias(self) -> jax.Array:
+        """This rank's value bias (its group's row when the key/value heads are kept whole)."""
+        bias = self.value_bias[...]
+        n = regions.axis_size(self.axis)
+        if self.num_kv_heads == self.num_heads or n == 1 or self.num_kv_heads % n == 0:
+            return bias
         head = regions.axis_index(self.axis) * self.num_kv_heads // n
-        kernel = lax.dynamic_slice_in_dim(proj.kernel[...], head, 1, axis=1)
-        dtype = proj.dtype or x.dtype
-        y = jnp.tensordot(jnp.asarray(x, dtype), jnp.asarray(kernel, dtype), axes=1)
-        if proj.bias is not None:
-            y = y + jnp.asarray(lax.dynamic_slice_in_dim(proj.bias[...], head, 1, axis=0), dtype)
-        return y
+        return lax.dynamic_slice_in_dim(bias, head, 1, axis=0)
 
     def __call__(self, x: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         manual = regions.is_manual(self.axis)
         if manual:
             check_heads("ParallelSelfAttention", self.num_heads, self.num_kv_heads, self.axis,
                         regions.axis_size(self.axis))
-        x = self.query.enter(x)  # one f (or sequence all-gather) for q, k and v
-        q = self.query.project(x)
-        k, v = self._key_value(self.key, x), self._key_value(self.value, x)
+        q, k, v = self._projections(x)
+        q = q + jnp.asarray(self.query_bias[...], q.dtype)
+        v = v + jnp.asarray(self._value_bias(), v.dtype)
         if not manual:
             q = constrain(q, _HEADS)
-            kv_names = _HEADS if self.num_kv_heads == self.num_heads else None
-            if kv_names:
-                k, v = constrain(k, kv_names), constrain(v, kv_names)
+            # GSPMD: key/value heads split with the query heads when the tensor size divides
+            # them, whole otherwise (px.TensorParallel's choice for "kv_heads")
+            kv_names = _HEADS if self.num_kv_heads == self.num_heads else _KV_HEADS
+            k, v = constrain(k, kv_names), constrain(v, kv_names)
         y = attend(q, k, v, causal=self.causal, dropout_rate=self.dropout_rate,
                    dropout_key=dropout_key, axis=self.axis)
         return self.out(y if manual else constrain(y, _HEADS))

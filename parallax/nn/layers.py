@@ -28,6 +28,7 @@ Names = tuple[str | None, ...]
 HEADS = ("batch", "length", "heads", "kv")  # "length": whole under Megatron, split under CP
 RESIDUAL = ("batch", "sequence", "embed")  # the residual stream between blocks
 WHOLE_SEQUENCE = ("batch", None, "embed")  # before a column-parallel matmul
+QKV = ("embed", None, "heads", "kv")  # the fused q/k/v kernel [D, 3, H, K]
 
 
 def annotated_param(
@@ -197,15 +198,18 @@ class LayerNorm(nnx.Module):
 class CausalSelfAttention(nnx.Module):
     """Multi-head causal self-attention over ``[B, T, D]``, heads a dimension of their own.
 
-    q, k and v are ``[B, T, H, K]`` (``jax.nn.dot_product_attention``'s layout). Their
-    kernels ``[D, H, K]`` are column parallel (named ``"heads"``, split under tensor
-    parallelism), the output kernel ``[H, K, D]`` row parallel.
+    q, k and v are ``[B, T, H, K]`` (``jax.nn.dot_product_attention``'s layout), made by one
+    matmul against one kernel ``qkv`` ``[D, 3, H, K]`` (Megatron's fused QKV). The stacked
+    axis of 3 keeps q, k and v of a head together, so tensor parallelism, which splits
+    ``"heads"``, gives each rank whole heads of all three (no slice crosses from q into k).
+    The kernel is column parallel, the output kernel ``[H, K, D]`` row parallel. q and v
+    have biases ``[H, K]``; k has none.
 
     Args:
       embed_dim: D, a multiple of ``num_heads``.
       num_heads: H; head_dim K = D / H.
       rngs: the ``nnx.Rngs`` for the kernels.
-      kernel_init: init of the q/k/v kernels.
+      kernel_init: init of the qkv kernel.
       out_init: init of the output kernel (GPT-2 scales it down with depth).
       dtype: compute dtype; None keeps the input's.
       param_dtype: storage dtype of the params.
@@ -214,8 +218,12 @@ class CausalSelfAttention(nnx.Module):
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> from parallax.nn.layers import CausalSelfAttention
-      >>> CausalSelfAttention(8, 2, rngs=nnx.Rngs(0))(jnp.ones((1, 5, 8))).shape
-      (1, 5, 8)
+      >>> attn = CausalSelfAttention(8, 2, rngs=nnx.Rngs(0))
+      >>> attn(jnp.ones((1, 5, 8))).shape, attn.qkv.kernel.shape
+      ((1, 5, 8), (8, 3, 2, 4))
+
+    References:
+      Shoeybi et al., "Megatron-LM", 2019 (the fused QKV GEMM).
     """
 
     def __init__(
@@ -231,27 +239,22 @@ class CausalSelfAttention(nnx.Module):
     ):
         d, h, k = embed_dim, num_heads, embed_dim // num_heads
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        names = ("embed", "heads", "kv")
-        self.query = Dense((d,), (h, k), names, kernel_init=kernel_init, **kw)
+        self.qkv = Dense((d,), (3, h, k), QKV, kernel_init=kernel_init, use_bias=False, **kw)
         # No key bias: it adds q . b to every score of a query's row, which softmax cancels.
         # Its gradient is zero in exact arithmetic, so it would train only on rounding noise
         # (amplified by Adam), and parallel runs could not reproduce one device's values.
-        self.key = Dense((d,), (h, k), names, kernel_init=kernel_init, use_bias=False, **kw)
-        self.value = Dense((d,), (h, k), names, kernel_init=kernel_init, **kw)
+        zeros = nnx.initializers.zeros
+        self.query_bias = annotated_param(zeros, None, (h, k), ("heads", "kv"), param_dtype)
+        self.value_bias = annotated_param(zeros, None, (h, k), ("heads", "kv"), param_dtype)
         self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), kernel_init=out_init, **kw)
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
         """``segment_ids`` ``[B, T]``: packed documents, attended to separately."""
-        # Megatron's fused QKV: one matmul against the kernels stacked on a new axis, so the
-        # backward sums the three input gradients before one all-reduce (not three).
-        dtype = self.query.dtype or x.dtype
-        projections = (self.query, self.key, self.value)
-        kernel = jnp.stack([jnp.asarray(p.kernel[...], dtype) for p in projections], axis=1)
-        x = gather_sequence(x, WHOLE_SEQUENCE)
-        qkv = jnp.tensordot(jnp.asarray(x, dtype), kernel, axes=1)  # [B, T, 3, H, K]
-        q = constrain(qkv[..., 0, :, :] + jnp.asarray(self.query.bias[...], dtype), HEADS)
+        dtype = self.qkv.dtype or x.dtype
+        qkv = self.qkv(gather_sequence(x, WHOLE_SEQUENCE))  # [B, T, 3, H, K]: one matmul
+        q = constrain(qkv[..., 0, :, :] + jnp.asarray(self.query_bias[...], dtype), HEADS)
         k = constrain(qkv[..., 1, :, :], HEADS)
-        v = constrain(qkv[..., 2, :, :] + jnp.asarray(self.value.bias[...], dtype), HEADS)
+        v = constrain(qkv[..., 2, :, :] + jnp.asarray(self.value_bias[...], dtype), HEADS)
         y = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, T, H, K]
         return self.out(constrain(y, HEADS))
 

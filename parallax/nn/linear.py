@@ -87,8 +87,9 @@ class ColumnParallelLinear(_Linear):
 
     Args:
       in_features: the contracted trailing dimension(s) of the input (int or tuple).
-      out_features: the output dimension(s); the first one is split, e.g. ``(heads, head_dim)``
-        for a query projection.
+      out_features: the output dimension(s); the first one with a logical name is split, e.g.
+        ``(heads, head_dim)`` for a query projection, ``(3, heads, head_dim)`` named
+        ``(None, "heads", "kv")`` for fused q/k/v (each rank its heads of all three).
       rngs: the ``nnx.Rngs`` for the kernel (stream ``params``).
       names: logical names of the kernel, one per dimension of ``in + out``; the split
         dimension's name must be one that ``px.TensorParallel`` shards (``"mlp"``,
@@ -125,7 +126,10 @@ class ColumnParallelLinear(_Linear):
                          use_bias=use_bias, kernel_init=kernel_init, dtype=dtype,
                          param_dtype=param_dtype, sequence_parallel=sequence_parallel,
                          sequence_dim=sequence_dim)
-        self.split = len(self.in_shape)
+        # the first named output dimension: a stacked axis before it (fused q/k/v) is whole
+        n_in = len(self.in_shape)
+        self.split = next((n_in + i for i, name in enumerate(tuple(names)[n_in:])
+                           if name is not None), n_in)
         self.gather_output = gather_output
 
     def enter(self, x: jax.Array) -> jax.Array:
@@ -144,7 +148,9 @@ class ColumnParallelLinear(_Linear):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.project(self.enter(x))
         if self.gather_output:
-            return regions.gather_from_tensor(y, self.axis, y.ndim - len(self.out_shape))
+            first_out = y.ndim - len(self.out_shape)
+            return regions.gather_from_tensor(y, self.axis,
+                                              first_out + self.split - len(self.in_shape))
         return y
 
 

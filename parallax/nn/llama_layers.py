@@ -2,9 +2,16 @@
 
 Built from :mod:`parallax.nn.layers` (``Dense``, ``annotated_param``), with the same
 logical names as the GPT's layers: query heads ``"heads"`` (split under tensor
-parallelism), key/value heads ``"kv_heads"`` (split when they divide the tensor size,
+parallelism), key/value heads ``"kv_heads"`` (split when the tensor size divides them,
 replicated otherwise, as ``px.TensorParallel`` treats grouped-query attention), the MLP's
 hidden width ``"mlp"``. No biases anywhere.
+
+Projections that read the same input are fused: k and v are one kernel ``[D, 2, G, K]``,
+SwiGLU's gate and up one kernel ``[D, 2, F]``, each one matmul. The stacked axis (2) is never
+split, so tensor parallelism's split of ``"kv_heads"`` or ``"mlp"`` gives each rank the same
+heads (or columns) of both halves. q stays a kernel of its own: its heads split over the
+tensor axis whether or not the key/value heads do (when fewer key/value heads than ranks
+are kept whole), which one kernel holding both could not.
 
 References:
   Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019; Ainslie et al., "GQA",
@@ -27,6 +34,8 @@ from parallax.nn.rope import apply_rotary
 
 Initializer = nnx.initializers.Initializer
 KV_HEADS = ("batch", "length", "kv_heads", "kv")
+KEY_VALUE = ("embed", None, "kv_heads", "kv")  # the fused k/v kernel [D, 2, G, K]
+GATE_UP = ("embed", None, "mlp")  # the fused gate/up kernel [D, 2, F]
 
 
 class RMSNorm(nnx.Module):
@@ -66,6 +75,8 @@ class GroupedQueryAttention(nnx.Module):
     Called as ``attn(x, positions)`` with each token's position ``[T]``
     (``parallax.models.llama.token_positions``), or ``[B, T]`` with ``segment_ids`` ``[B, T]``
     for packed documents (positions restarting at each document, attention kept inside it).
+    Kernels: ``query`` ``[D, H, K]``, ``key_value`` ``[D, 2, G, K]`` (k and v in one matmul),
+    ``out`` ``[H, K, D]``.
     The attention core is ``parallax.attention.dot_product_attention``, which takes k/v with
     fewer heads, so a context-parallel strategy that replaces it applies here too.
 
@@ -85,8 +96,8 @@ class GroupedQueryAttention(nnx.Module):
       >>> from parallax.nn.llama_layers import GroupedQueryAttention
       >>> from parallax.nn.rope import rope_frequencies
       >>> attn = GroupedQueryAttention(8, 2, 1, rope_frequencies(4), rngs=nnx.Rngs(0))
-      >>> attn(jnp.ones((1, 5, 8)), jnp.arange(5)).shape
-      (1, 5, 8)
+      >>> attn(jnp.ones((1, 5, 8)), jnp.arange(5)).shape, attn.key_value.kernel.shape
+      ((1, 5, 8), (8, 2, 1, 4))
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, inv_freq: np.ndarray,
@@ -97,8 +108,7 @@ class GroupedQueryAttention(nnx.Module):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=False,
                   kernel_init=kernel_init)
         self.query = Dense((d,), (h, k), ("embed", "heads", "kv"), **kw)
-        self.key = Dense((d,), (g, k), ("embed", "kv_heads", "kv"), **kw)
-        self.value = Dense((d,), (g, k), ("embed", "kv_heads", "kv"), **kw)
+        self.key_value = Dense((d,), (2, g, k), KEY_VALUE, **kw)  # k and v: one matmul
         self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), **kw)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
 
@@ -107,14 +117,16 @@ class GroupedQueryAttention(nnx.Module):
         x = gather_sequence(x, WHOLE_SEQUENCE)
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q = constrain(apply_rotary(self.query(x), positions, inv_freq), HEADS)
-        k = constrain(apply_rotary(self.key(x), positions, inv_freq), KV_HEADS)
-        v = constrain(self.value(x), KV_HEADS)
+        kv = self.key_value(x)  # [B, T, 2, G, K]
+        k = constrain(apply_rotary(kv[..., 0, :, :], positions, inv_freq), KV_HEADS)
+        v = constrain(kv[..., 1, :, :], KV_HEADS)
         y = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, T, H, K]
         return self.out(constrain(y, HEADS))
 
 
 class SwiGLU(nnx.Module):
-    """Llama's MLP: ``down(silu(gate(x)) * up(x))``; gate and up column parallel, down row.
+    """Llama's MLP: ``down(silu(gate(x)) * up(x))``; gate and up (one kernel ``gate_up``
+    ``[D, 2, F]``, one matmul) column parallel, down row parallel.
 
     Args:
       embed_dim: D.
@@ -137,11 +149,10 @@ class SwiGLU(nnx.Module):
                  dtype: jnp.dtype | None = None, param_dtype: jnp.dtype = jnp.float32):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=False,
                   kernel_init=kernel_init)
-        self.gate = Dense((embed_dim,), (mlp_dim,), ("embed", "mlp"), **kw)
-        self.up = Dense((embed_dim,), (mlp_dim,), ("embed", "mlp"), **kw)
+        self.gate_up = Dense((embed_dim,), (2, mlp_dim), GATE_UP, **kw)  # one matmul
         self.down = Dense((mlp_dim,), (embed_dim,), ("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = gather_sequence(x, WHOLE_SEQUENCE)
-        hidden = jax.nn.silu(self.gate(x)) * self.up(x)
+        gate_up = self.gate_up(gather_sequence(x, WHOLE_SEQUENCE))  # [B, T, 2, F]
+        hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
         return self.down(constrain(hidden, ("batch", "length", "mlp")))

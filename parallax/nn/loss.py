@@ -67,6 +67,14 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, *,
             f"logits {tuple(logits.shape)}; labels need the logits' shape without the last "
             "(vocabulary) axis."
         )
+    return vocab_parallel_losses_and_lse(logits, labels, axis)[0]
+
+
+def vocab_parallel_losses_and_lse(logits: jax.Array, labels: jax.Array,
+                                  axis: str = "tensor") -> tuple[jax.Array, jax.Array]:
+    """``(losses, logsumexp)`` per position from vocabulary-split logits: the losses of
+    :func:`vocab_parallel_cross_entropy` and the log-sum-exp over the whole vocabulary, which
+    a backward pass that recomputes the logits needs (``softmax = exp(logits - lse)``)."""
     logits = jnp.asarray(logits, jnp.float32)
     local = logits.shape[-1]
     manual = regions.is_manual(axis)
@@ -79,7 +87,7 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, *,
     inside = (offset >= 0) & (offset < local)
     picked = jnp.take_along_axis(shifted, jnp.where(inside, offset, 0)[..., None], axis=-1)
     target = regions.reduce_from_tensor(jnp.where(inside, picked[..., 0], 0.0), axis)
-    return jnp.log(sum_exp) - target
+    return jnp.log(sum_exp) - target, jnp.log(sum_exp) + peak
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -107,6 +115,12 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
       >>> bool(jnp.allclose(cross_entropy(logits, labels), expected, rtol=1e-6))
       True
     """
+    return cross_entropy_and_lse(logits, labels)[0]
+
+
+def cross_entropy_and_lse(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(losses, logsumexp)`` per position, in float32: :func:`cross_entropy` and the
+    log-sum-exp a backward pass that recomputes the logits needs."""
     logits = jnp.asarray(logits, jnp.float32)
     peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     log_sum_exp = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1)) + peak[..., 0]
@@ -116,4 +130,4 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     # an id with no logit is NaN, as optax's gather gives it (px.train_step's check_finite
     # names it), never a silent 0
     target = jnp.where((labels >= 0) & (labels < vocab), target, jnp.nan)
-    return log_sum_exp - target
+    return log_sum_exp - target, log_sum_exp

@@ -1,8 +1,10 @@
 """Tensor (Megatron) parallelism: the rule table for GSPMD and its parameter checks.
 
 ``TensorParallel(axis)`` maps the logical axes ``"heads"``, ``"mlp"`` and ``"vocab"`` to
-``axis``. On a model annotated like ``px.models.GPT`` that is Megatron's layout, and XLA
-inserts Megatron's collectives: per transformer layer one all-reduce of the ``[B, T, D]``
+``axis``, and grouped-query attention's key/value heads ``"kv_heads"`` too when ``axis``
+divides them (a per-array choice, :class:`KeyValueHeads`, as Megatron-LM and transformers'
+tensor-parallel plans do; otherwise they are kept whole on every rank). On a model annotated
+like ``px.models.GPT`` that is Megatron's layout, and XLA inserts Megatron's collectives: per transformer layer one all-reduce of the ``[B, T, D]``
 activations after attention and one after the MLP, and one each in the backward pass; with
 ``sequence_parallel=True`` each becomes a reduce-scatter plus an all-gather. The explicit
 form (``shard_map`` with Megatron's ``f``/``g`` operators) is ``parallax.nn``; see
@@ -28,7 +30,7 @@ from parallax.strategies.tensor_plan import TensorPlan
 from parallax.strategies.tensor_sequence import SequenceLayouts
 from parallax.strategy import ModelHooks, Strategy
 
-SPLIT_NAMES = ("heads", "mlp", "vocab")
+SPLIT_NAMES = ("heads", "kv_heads", "mlp", "vocab")
 _FIXES = {
     "heads": "use a number of attention heads that is a multiple of {n}, or a tensor axis "
              "dividing {size}",
@@ -85,7 +87,8 @@ def TensorParallel(axis: str = "tensor", *, sequence_parallel: bool = False,
     extra = (", sequence_parallel=True" if sequence_parallel else "") + (
         f", plan={plan!r}" if plan is not None else "")
     hooks = ModelHooks(param_checks=(MegatronCheck(axis),), param_names=plans,
-                       layout_checks=(SplitsSomething(axis),), before_loss=sequence)
+                       layout_checks=(SplitsSomething(axis),), before_loss=sequence,
+                       name_choices=(KeyValueHeads(axis),))
     return Strategy(name=f"TensorParallel({axis!r}{extra})", rules=tuple(rules),
                     model_hooks=hooks)
 
@@ -133,12 +136,49 @@ class MegatronCheck:
     axis: str
 
     def __call__(self, names, shape, mesh, *, path: tuple = (), api: str = "px.TensorParallel"):
-        # The rules never split key/value heads ("kv_heads"): GSPMD replicates them, so
-        # only the explicit layers (param_specs) need them to divide the tensor size.
+        # Key/value heads ("kv_heads") split only where the tensor size divides them
+        # (KeyValueHeads) and are kept whole elsewhere, which GSPMD computes for any count:
+        # not checked here. The explicit layers, which need a rank's query heads to read
+        # whole key/value heads, check them (px.nn.param_specs, sharded_dims).
         names = tuple(None if n == "kv_heads" else n for n in names)
         if self.axis in mesh.shape:
             sharded_dims(names, shape, self.axis, mesh.shape[self.axis],
                          path=readable_path(path), api=api)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValueHeads:
+    """``TensorParallel``'s choice for grouped-query attention (a ``ModelHooks.name_choices``
+    entry): key/value heads (``"kv_heads"``) split over the tensor axis when its size
+    divides them, kept whole (replicated) when it does not.
+
+    Split, each rank's query heads read exactly its own key/value heads, so attention needs
+    no communication and each rank holds ``1/T`` of the K/V parameters and activations. With
+    fewer heads than ranks (``T`` a multiple of ``G``) every rank keeps all of them. The rule
+    must see the sizes, which a rule table cannot, so it is a per-array choice that
+    ``px.init`` (parameters) and ``px.constrain`` (activations) apply before the rules.
+
+    Example:
+      >>> import parallax as px
+      >>> choose = KeyValueHeads("tensor")
+      >>> choose(("embed", "kv_heads", "kv"), (64, 8, 16), px.make_mesh(tensor=4, data=-1))
+      ('embed', 'kv_heads', 'kv')
+      >>> choose(("embed", "kv_heads", "kv"), (64, 2, 16), px.make_mesh(tensor=4, data=-1))
+      ('embed', None, 'kv')
+
+    References:
+      Ainslie et al., "GQA", 2023; Megatron-LM (``num_query_groups`` split over the tensor
+      ranks); Hugging Face transformers' tensor-parallel plans.
+    """
+
+    axis: str
+
+    def __call__(self, names, shape, mesh):
+        size = mesh.shape.get(self.axis, 1)
+        if "kv_heads" not in names or size == 1:
+            return names
+        return tuple(None if name == "kv_heads" and length % size else name
+                     for name, length in zip(names, shape))
 
 
 def sharded_dims(names, shape, axis: str, size: int, rules=None, *, path: str = "",
@@ -184,7 +224,7 @@ def check_params(params, mesh, axis: str = "tensor", *, rules=None,
       >>> px.strategies.tensor.check_params(nnx.state(model), px.make_mesh(tensor=-1))
       Traceback (most recent call last):
       ...
-      ValueError: px.TensorParallel: ['blocks']['attn']['key']['kernel'] has shape (2, 32, 2, 16): its 'heads' dimension 2 has 2 entries, which do not split over the tensor axis tensor=8. Fix: use a number of attention heads that is a multiple of 8, or a tensor axis dividing 2.
+      ValueError: px.TensorParallel: ['blocks']['attn']['out']['kernel'] has shape (2, 2, 16, 32): its 'heads' dimension 1 has 2 entries, which do not split over the tensor axis tensor=8. Fix: use a number of attention heads that is a multiple of 8, or a tensor axis dividing 2.
     """
     size = mesh.shape[axis]
     for leaf in annotated_leaves(params):

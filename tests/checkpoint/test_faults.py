@@ -113,6 +113,24 @@ def test_a_tree_that_differs_from_like_names_the_path_and_both_shapes(saved):
         px.checkpoint.restore(directory, like=functional)
 
 
+def test_a_checkpoint_of_the_unfused_model_layout_says_how_to_move_it(tmp_path):
+    # px.models before fused projections kept query/key/value (and gate/up) kernels apart: a
+    # state with that layout's leaf names, restored into today's fused GPT.
+    old = {"blocks": {"attn": {"query": {"kernel": np.zeros((8, 2, 4), np.float32)},
+                               "key": {"kernel": np.zeros((8, 2, 4), np.float32)}}}}
+    directory = user_files(tmp_path / "ckpt")
+    px.checkpoint.save(directory, old, step=1)
+    new = {"blocks": {"attn": {"qkv": {"kernel": np.zeros((8, 3, 2, 4), np.float32)}}}}
+    with pytest.raises(ValueError, match=re.escape(
+            "The checkpoint holds px.models' layout from before fused projections "
+            "(['blocks']['attn']['key']['kernel']: separate query/key/value kernels, or gate "
+            "and up); this parallax keeps them fused (attn.qkv [D, 3, H, K] in the GPT, attn.key_value "
+            "[D, 2, G, K] and mlp.gate_up [D, 2, F] in the Llama). Move the weights with "
+            "px.models.save_pretrained in the parallax that saved it and "
+            "px.models.from_pretrained here")):
+        px.checkpoint.restore(directory, like=new)
+
+
 def test_missing_directories_and_steps_are_clear(saved, tmp_path):
     directory, _ = saved
     with pytest.raises(CheckpointNotFoundError, match=re.escape(

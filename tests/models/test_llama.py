@@ -21,7 +21,8 @@ from parallax.models import (
     next_token_loss,
 )
 from parallax.models.llama import TENSOR_PLAN, token_positions
-from parallax.nn.llama_layers import GroupedQueryAttention
+from parallax.attention import dot_product_attention
+from parallax.nn.llama_layers import GroupedQueryAttention, SwiGLU
 from parallax.nn.rope import apply_rotary, rope_frequencies
 from parallax.rules import annotated_leaves
 
@@ -112,12 +113,45 @@ def test_grouped_query_attention_equals_multi_head_with_repeated_heads():
     mha = GroupedQueryAttention(d, h, h, freqs, rngs=nnx.Rngs(1))
     mha.query.kernel[...] = gqa.query.kernel[...]
     mha.out.kernel[...] = gqa.out.kernel[...]
-    for name in ("key", "value"):  # query head i reads key/value head i // (h / g)
-        getattr(mha, name).kernel[...] = jnp.repeat(getattr(gqa, name).kernel[...], h // g,
-                                                    axis=1)
+    # query head i reads key/value head i // (h / g); the kernel is [D, 2 (k, v), G, K]
+    mha.key_value.kernel[...] = jnp.repeat(gqa.key_value.kernel[...], h // g, axis=2)
     x = jax.random.normal(jax.random.key(2), (2, 6, d))
     np.testing.assert_allclose(gqa(x, token_positions(6)), mha(x, token_positions(6)),
                                atol=1e-6)
+
+
+def test_fused_projections_equal_separate_matmuls_with_two_fewer():
+    # k with v and gate with up are one matmul each: the same numbers as five separate
+    # projections (the layout before fusing), two dot ops fewer in the lowered program.
+    d, h, g, f = 32, 4, 2, 64
+    attn = GroupedQueryAttention(d, h, g, rope_frequencies(d // h), rngs=nnx.Rngs(0))
+    mlp = SwiGLU(d, f, rngs=nnx.Rngs(1))
+    x, positions = jax.random.normal(jax.random.key(2), (2, 6, d)), token_positions(6)
+    inv_freq = np.asarray(attn.inv_freq, np.float32)
+    params = {"q": attn.query.kernel[...], "kv": attn.key_value.kernel[...],
+              "out": attn.out.kernel[...], "gate_up": mlp.gate_up.kernel[...],
+              "down": mlp.down.kernel[...]}
+
+    def separate(p, x):
+        project = lambda w: jnp.einsum("btd,d...->bt...", x, w)  # noqa: E731
+        q = apply_rotary(project(p["q"]), positions, inv_freq)
+        k = apply_rotary(project(p["kv"][:, 0]), positions, inv_freq)
+        y = dot_product_attention(q, k, project(p["kv"][:, 1]), causal=True)
+        a = jnp.einsum("bthk,hkd->btd", y, p["out"])
+        gate, up = a @ p["gate_up"][:, 0], a @ p["gate_up"][:, 1]
+        return (jax.nn.silu(gate) * up) @ p["down"]
+
+    graphdefs, states = zip(*(nnx.split(m) for m in (attn, mlp)))
+
+    def fused(p, x):
+        del p  # the modules' own parameters (the same arrays)
+        a, m = (nnx.merge(gd, st) for gd, st in zip(graphdefs, states))
+        return m(a(x, positions))
+
+    np.testing.assert_allclose(fused(params, x), separate(params, x), rtol=1e-5, atol=1e-6)
+    dots = [jax.jit(fn).lower(params, x).as_text().count("dot_general")
+            for fn in (fused, separate)]
+    assert dots[0] == dots[1] - 2
 
 
 def test_names_follow_the_tensor_plan(model):
@@ -127,8 +161,9 @@ def test_names_follow_the_tensor_plan(model):
     assert leaves["embed"] == ((V, D), ("vocab", "embed"))
     assert leaves["head"] == ((D, V), ("embed", "vocab"))
     assert leaves["blocks.attn.query.kernel"] == ((L, D, H, K), ("layers", "embed", "heads", "kv"))
-    assert leaves["blocks.attn.key.kernel"] == ((L, D, G, K),
-                                                ("layers", "embed", "kv_heads", "kv"))
+    assert leaves["blocks.attn.key_value.kernel"] == ((L, D, 2, G, K),
+                                                      ("layers", "embed", None, "kv_heads", "kv"))
+    assert leaves["blocks.mlp.gate_up.kernel"] == ((L, D, 2, F), ("layers", "embed", None, "mlp"))
     assert leaves["blocks.mlp.down.kernel"] == ((L, F, D), ("layers", "mlp", "embed"))
     split = {"heads", "kv_heads", "mlp", "vocab"}
     for path, (shape, names) in leaves.items():

@@ -113,9 +113,9 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"model_type 'bert' is not supported; parallax reads "):
         from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config | {"n_embd": 64}))
-    with pytest.raises(ValueError, match=r"tensor 'transformer.h.0.attn.c_attn.weight' has shape "
-                                         r"\[32, 96\], which does not hold the model's "
-                                         r"blocks.attn.key.kernel \[2, 64, 4, 16\]"):
+    with pytest.raises(ValueError, match=r"tensor 'transformer.h.0.attn.c_proj.bias' has shape "
+                                         r"\[32\], which does not hold the model's "
+                                         r"blocks.attn.out.bias \[2, 64\]"):
         from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config | {"activation_function": "relu"}))
     with pytest.raises(ValueError, match=r"GPT-2 config activation_function='relu' is not "

@@ -8,8 +8,8 @@ checkpoints have it; L layers stacked on our leading axis):
 | ``{p}wte.weight [V, D]`` | ``wte [V', D]`` | rows V..V' (vocabulary padding) are zero |
 | ``{p}wpe.weight [P, D]`` | ``wpe [S, D]`` | the first S <= P positions |
 | ``{p}h.i.ln_1/ln_2.weight, bias`` | ``blocks.ln1/ln2.scale, bias`` | |
-| ``{p}h.i.attn.c_attn.weight [D, 3D]`` | ``blocks.attn.query/key/value.kernel [D, H, K]`` | ``Conv1D`` is ``[in, out]`` already: columns split q / k / v, then heads |
-| ``{p}h.i.attn.c_attn.bias [3D]`` | ``blocks.attn.query/value.bias [H, K]`` | the key bias is dropped: it adds ``q . b`` to every score of a query's row, which softmax cancels (saved back as zeros) |
+| ``{p}h.i.attn.c_attn.weight [D, 3D]`` | ``blocks.attn.qkv.kernel [D, 3, H, K]`` | ``Conv1D`` is ``[in, out]`` already: columns split q / k / v, then heads; each device reads its heads of the three column ranges |
+| ``{p}h.i.attn.c_attn.bias [3D]`` | ``blocks.attn.query_bias / value_bias [H, K]`` | the key bias is dropped: it adds ``q . b`` to every score of a query's row, which softmax cancels (saved back as zeros) |
 | ``{p}h.i.attn.c_proj.weight [D, D]`` | ``blocks.attn.out.kernel [H, K, D]`` | rows split into heads |
 | ``{p}h.i.mlp.c_fc / c_proj`` | ``blocks.mlp.fc / proj`` | |
 | ``{p}ln_f`` | ``ln_f`` | |
@@ -29,7 +29,7 @@ import numpy as np
 
 from parallax.models.gpt import GPT
 from parallax.models.gpt_config import GPTConfig
-from parallax.models.pretrained.pieces import Piece
+from parallax.models.pretrained.pieces import Piece, Stacked
 
 API = "px.models.from_pretrained"
 MODEL = GPT
@@ -91,12 +91,12 @@ def pieces(c: GPTConfig, names) -> tuple[dict[str, Piece], dict]:
         for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
             out[f"blocks.{ours}.scale"] = Piece(f"{b}{theirs}.weight", (), (d,))
             out[f"blocks.{ours}.bias"] = Piece(f"{b}{theirs}.bias", (), (d,))
-        for j, name in enumerate(("query", "key", "value")):
-            out[f"blocks.attn.{name}.kernel"] = Piece(f"{b}attn.c_attn.weight", (d,), (h, k),
-                                                      col_offset=j * d)
-            if name != "key":
-                out[f"blocks.attn.{name}.bias"] = Piece(f"{b}attn.c_attn.bias", (), (h, k),
-                                                        col_offset=j * d)
+        out["blocks.attn.qkv.kernel"] = Stacked(tuple(
+            Piece(f"{b}attn.c_attn.weight", (d,), (h, k), col_offset=j * d) for j in range(3)),
+            axis=1)
+        for j, name in ((0, "query"), (2, "value")):
+            out[f"blocks.attn.{name}_bias"] = Piece(f"{b}attn.c_attn.bias", (), (h, k),
+                                                    col_offset=j * d)
         out["blocks.attn.out.kernel"] = Piece(f"{b}attn.c_proj.weight", (h, k), (d,))
         out["blocks.attn.out.bias"] = Piece(f"{b}attn.c_proj.bias", (), (d,))
         out["blocks.mlp.fc.kernel"] = Piece(f"{b}mlp.c_fc.weight", (d,), (f,))
@@ -124,11 +124,10 @@ def export(c: GPTConfig, leaves: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
         b = f"transformer.h.{i}."
         out[f"{b}ln_1.weight"], out[f"{b}ln_1.bias"] = at["blocks.ln1.scale"], at["blocks.ln1.bias"]
         out[f"{b}ln_2.weight"], out[f"{b}ln_2.bias"] = at["blocks.ln2.scale"], at["blocks.ln2.bias"]
-        qkv = [at[f"blocks.attn.{n}.kernel"].reshape(d, d) for n in ("query", "key", "value")]
-        out[f"{b}attn.c_attn.weight"] = np.concatenate(qkv, axis=1)
-        q_bias = at["blocks.attn.query.bias"].reshape(d)
+        out[f"{b}attn.c_attn.weight"] = at["blocks.attn.qkv.kernel"].reshape(d, 3 * d)
+        q_bias = at["blocks.attn.query_bias"].reshape(d)
         out[f"{b}attn.c_attn.bias"] = np.concatenate(
-            [q_bias, np.zeros_like(q_bias), at["blocks.attn.value.bias"].reshape(d)])
+            [q_bias, np.zeros_like(q_bias), at["blocks.attn.value_bias"].reshape(d)])
         out[f"{b}attn.c_proj.weight"] = at["blocks.attn.out.kernel"].reshape(d, d)
         out[f"{b}attn.c_proj.bias"] = at["blocks.attn.out.bias"]
         out[f"{b}mlp.c_fc.weight"], out[f"{b}mlp.c_fc.bias"] = (at["blocks.mlp.fc.kernel"],

@@ -5,12 +5,17 @@
 | ``model.embed_tokens.weight [V, D]`` | ``embed [V', D]`` | padded rows zero |
 | ``model.layers.i.input_layernorm.weight`` | ``blocks.attn_norm.scale`` | |
 | ``model.layers.i.self_attn.q_proj.weight [H*K, D]`` | ``blocks.attn.query.kernel [L, D, H, K]`` | ``nn.Linear`` stores ``[out, in]``: transposed |
-| ``... k_proj / v_proj [G*K, D]`` | ``blocks.attn.key / value.kernel [L, D, G, K]`` | transposed; RoPE's "rotate half" pairing is transformers' own, so no permutation |
+| ``... k_proj / v_proj [G*K, D]`` | ``blocks.attn.key_value.kernel [L, D, 2, G, K]`` | stacked k, v; transposed; RoPE's "rotate half" pairing is transformers' own, so no permutation |
 | ``... o_proj [D, H*K]`` | ``blocks.attn.out.kernel [L, H, K, D]`` | transposed |
 | ``model.layers.i.post_attention_layernorm.weight`` | ``blocks.mlp_norm.scale`` | |
-| ``... mlp.gate_proj / up_proj [F, D]``, ``down_proj [D, F]`` | ``blocks.mlp.gate / up / down.kernel`` | transposed |
+| ``... mlp.gate_proj / up_proj [F, D]`` | ``blocks.mlp.gate_up.kernel [L, D, 2, F]`` | stacked gate, up; transposed |
+| ``... mlp.down_proj [D, F]`` | ``blocks.mlp.down.kernel [L, F, D]`` | transposed |
 | ``model.norm.weight`` | ``norm.scale`` | |
 | ``lm_head.weight [V, D]`` | ``head [D, V']`` (untied) | transposed; absent when tied |
+
+Our fused kernels (k with v, gate with up) are the checkpoint's separate tensors stacked on
+an axis of their own: each device reads only its slice of each (:class:`Stacked`) and saving
+splits them again.
 
 RoPE settings are read from ``rope_scaling`` (transformers 4) or ``rope_parameters``
 (transformers 5): ``rope_type`` ``default`` or ``llama3``.
@@ -29,7 +34,7 @@ import numpy as np
 
 from parallax.models.llama import Llama
 from parallax.models.llama_config import LlamaConfig
-from parallax.models.pretrained.pieces import Piece
+from parallax.models.pretrained.pieces import Piece, Stacked
 from parallax.nn.rope import RopeScaling
 
 API = "px.models.from_pretrained"
@@ -113,11 +118,11 @@ def pieces(c: LlamaConfig, names) -> tuple[dict[str, Piece], dict]:
             "blocks.attn_norm.scale": Piece(f"{b}input_layernorm.weight", (), (d,)),
             "blocks.mlp_norm.scale": Piece(f"{b}post_attention_layernorm.weight", (), (d,)),
             "blocks.attn.query.kernel": Piece(f"{b}self_attn.q_proj.weight", (d,), (h, k), True),
-            "blocks.attn.key.kernel": Piece(f"{b}self_attn.k_proj.weight", (d,), (g, k), True),
-            "blocks.attn.value.kernel": Piece(f"{b}self_attn.v_proj.weight", (d,), (g, k), True),
+            "blocks.attn.key_value.kernel": Stacked(tuple(
+                Piece(f"{b}self_attn.{n}_proj.weight", (d,), (g, k), True) for n in "kv"), 1),
             "blocks.attn.out.kernel": Piece(f"{b}self_attn.o_proj.weight", (h, k), (d,), True),
-            "blocks.mlp.gate.kernel": Piece(f"{b}mlp.gate_proj.weight", (d,), (f,), True),
-            "blocks.mlp.up.kernel": Piece(f"{b}mlp.up_proj.weight", (d,), (f,), True),
+            "blocks.mlp.gate_up.kernel": Stacked(tuple(
+                Piece(f"{b}mlp.{n}_proj.weight", (d,), (f,), True) for n in ("gate", "up")), 1),
             "blocks.mlp.down.kernel": Piece(f"{b}mlp.down_proj.weight", (f,), (d,), True),
         }
 
@@ -140,9 +145,13 @@ def export(c: LlamaConfig, leaves: Mapping[str, np.ndarray]) -> dict[str, np.nda
         b = f"model.layers.{i}."
         out[f"{b}input_layernorm.weight"] = at["blocks.attn_norm.scale"]
         out[f"{b}post_attention_layernorm.weight"] = at["blocks.mlp_norm.scale"]
-        for ours, theirs in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
-            out[f"{b}self_attn.{theirs}.weight"] = at[f"blocks.attn.{ours}.kernel"].reshape(d, -1).T
+        key_value, gate_up = at["blocks.attn.key_value.kernel"], at["blocks.mlp.gate_up.kernel"]
+        attention = {"q_proj": at["blocks.attn.query.kernel"], "k_proj": key_value[:, 0],
+                     "v_proj": key_value[:, 1]}
+        for theirs, kernel in attention.items():
+            out[f"{b}self_attn.{theirs}.weight"] = kernel.reshape(d, -1).T
         out[f"{b}self_attn.o_proj.weight"] = at["blocks.attn.out.kernel"].reshape(-1, d).T
-        for name in ("gate", "up", "down"):
-            out[f"{b}mlp.{name}_proj.weight"] = at[f"blocks.mlp.{name}.kernel"].T
+        mlp = {"gate": gate_up[:, 0], "up": gate_up[:, 1], "down": at["blocks.mlp.down.kernel"]}
+        for name, kernel in mlp.items():
+            out[f"{b}mlp.{name}_proj.weight"] = kernel.T
     return out

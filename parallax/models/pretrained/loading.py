@@ -22,6 +22,7 @@ from parallax import layout
 from parallax.models.pretrained import families
 from parallax.models.pretrained.checkpoint_files import CheckpointFiles
 from parallax.models.pretrained.gpt2 import API
+from parallax.models.pretrained.pieces import parts_of
 from parallax.step.placement import checked_strategy
 from parallax.strategy import Strategy
 
@@ -73,13 +74,15 @@ def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
         name = layout.dotted_key(path)
         if name in top:
             piece = top[name]
-            used.add(piece.name)
-            _check_shape(files, piece, name, leaf)
+            for part in parts_of(piece):
+                used.add(part.name)
+                _check_shape(files, part, name, leaf)
             read = lambda index: piece.read(files, index)  # noqa: E731
         elif name in layers[0]:
             per_layer = [layers[i][name] for i in range(len(layers))]
-            used.update(p.name for p in per_layer)
-            _check_shape(files, per_layer[0], name, leaf, stacked=len(layers))
+            used.update(part.name for p in per_layer for part in parts_of(p))
+            for part in parts_of(per_layer[0]):
+                _check_shape(files, part, name, leaf, stacked=len(layers))
             read = lambda index: np.stack(  # noqa: E731
                 [per_layer[i].read(files, index[1:]) for i in range(*index[0].indices(len(layers)))])
         else:

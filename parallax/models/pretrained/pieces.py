@@ -7,6 +7,12 @@ fused in one matrix. Our leaf is that matrix (transposed if needed), a column ra
 is our ``[D, H, K]``). :meth:`Piece.read` turns an index into our leaf (what
 ``jax.make_array_from_callback`` asks for one device) into the smallest rectangle of the
 checkpoint's matrix that covers it, reads that rectangle alone, and cuts it to shape.
+
+A leaf of ours that fuses several of the checkpoint's tensors (or column ranges) along an
+axis of its own is a :class:`Stacked` of pieces: the fused ``[D, 3, H, K]`` q/k/v kernel is
+GPT-2's three column ranges of ``c_attn``, Llama's ``[D, 2, G, K]`` k/v kernel its ``k_proj``
+and ``v_proj``, its ``[D, 2, F]`` gate/up kernel ``gate_proj`` and ``up_proj``. Each part is
+read with the same index, so a device still reads only its own slice of each.
 """
 
 from __future__ import annotations
@@ -86,6 +92,46 @@ class Piece:
         if block is not None:
             return block.dtype
         return files.read(self.name, (slice(0, 1), slice(0, 1))).dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """One leaf of ours that stacks several pieces along its dimension ``axis``.
+
+    Attributes:
+      parts: the pieces, in the order of the stacked dimension (each of the same shape).
+      axis: where the stacked dimension sits in our leaf (without the layers axis).
+    """
+
+    parts: tuple[Piece, ...]
+    axis: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        inner = self.parts[0].shape
+        return inner[:self.axis] + (len(self.parts),) + inner[self.axis:]
+
+    def read(self, files, index: tuple[slice, ...]) -> np.ndarray:
+        """The part ``index`` of our leaf: each selected piece read at the rest of the index.
+
+        Example:
+          >>> class Files:                        # q | k | v side by side in one [2, 6]
+          ...     def read(self, name, index):
+          ...         return np.arange(12.0).reshape(2, 6)[index]
+          >>> qkv = Stacked(tuple(Piece("w", (2,), (2,), col_offset=2 * j) for j in range(3)), 1)
+          >>> qkv.read(Files(), (slice(0, 1), slice(1, 3), slice(1, 2)))   # k, v of column 1
+          array([[[3.],
+                  [5.]]])
+        """
+        index = tuple(slice(*s.indices(n)) for s, n in zip(index, self.shape))
+        rest = index[:self.axis] + index[self.axis + 1:]
+        chosen = range(*index[self.axis].indices(len(self.parts)))
+        return np.stack([self.parts[j].read(files, rest) for j in chosen], axis=self.axis)
+
+
+def parts_of(piece) -> tuple[Piece, ...]:
+    """The checkpoint pieces a leaf reads: itself, or a :class:`Stacked` leaf's parts."""
+    return piece.parts if isinstance(piece, Stacked) else (piece,)
 
 
 def _kept(wanted: slice, stored: int | None) -> slice:

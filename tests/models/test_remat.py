@@ -46,8 +46,10 @@ def explained(c, rows=4):
 @pytest.mark.parametrize("family", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_each_policys_compiled_flops_and_temporaries(family):
     reports = {remat: explained(config(family, remat)) for remat in POLICIES}
-    extra = {"none": (0.0, 0.0), "full": (0.15, 0.3), "dots": (0.01, 0.05),
-             "offload": (0.01, 0.05)}
+    # Every policy adds the chunked loss's logits, formed again in its backward (2 V D a
+    # token: parallax.planner.predicted.compute.loss_flops_per_token), about 2% here.
+    extra = {"none": (0.01, 0.03), "full": (0.16, 0.32), "dots": (0.02, 0.07),
+             "offload": (0.02, 0.07)}
     for remat, report in reports.items():
         row = report.row(f"compiled / model flops (remat={remat!r})")
         assert abs(row.measured / row.predicted - 1) < 0.02, (remat, row)
@@ -55,7 +57,6 @@ def test_each_policys_compiled_flops_and_temporaries(family):
         assert low <= row.predicted - 1 <= high, (remat, row.predicted)  # it recomputes
     temporaries = {r: report.row("temporaries").measured for r, report in reports.items()}
     # On CPU, host memory is device memory: offloading keeps what "dots" keeps.
-    # (the head's [B, T, V] logits, kept under every policy, weigh much at this size)
     assert temporaries["full"] <= temporaries["dots"] < 0.6 * temporaries["none"], temporaries
     assert temporaries["full"] < 0.55 * temporaries["none"], temporaries
 

@@ -2,8 +2,8 @@
 
 The roofline's terms besides the collectives (:mod:`parallax.planner.predicted.traffic`):
 FLOPs are ``flops_per_token`` (PaLM's ``6 N + 12 L T D``) per device, plus what the
-model's remat policy recomputes (:mod:`parallax.models.remat`) and the forwards a pipeline
-recomputes; the bytes one device moves through its memory come from the predicted
+model's remat policy recomputes (:mod:`parallax.models.remat`), the logits the chunked
+loss recomputes in its backward, and the forwards a pipeline recomputes; the bytes one device moves through its memory come from the predicted
 state and activations (:mod:`parallax.planner.predicted.memory`); the bubble is the
 pipeline schedule's.
 
@@ -19,6 +19,7 @@ import dataclasses
 from parallax.models.gpt_config import flops_per_token, param_count
 from parallax.models.llama_config import LlamaConfig, llama_flops_per_token, llama_param_count
 from parallax.models.remat import recomputed_flops_per_token
+from parallax.nn.chunked_loss import default_chunks
 from parallax.planner.predicted.memory import (Estimate, activation_bytes, local_param_bytes,
                                                state_bytes)
 from parallax.planner.setting import StepSetting
@@ -54,6 +55,22 @@ def remat_flops_per_token(config, seq_len: int) -> int:
                                       4 * c.num_layers * seq_len * width)
 
 
+def loss_flops_per_token(config, seq_len: int) -> int:
+    """The matmul flops per token the models' chunked loss recomputes: its backward forms
+    each chunk's logits again (``2 V D``), none when the logits are computed at once
+    (``loss_chunks=1``, or a vocabulary no wider than the hidden states).
+
+    Example:
+      >>> from parallax.models import GPTConfig
+      >>> loss_flops_per_token(GPTConfig.tiny(), 64), loss_flops_per_token(
+      ...     GPTConfig.tiny(loss_chunks=1), 64)
+      (32768, 0)
+    """
+    vocab = config.padded_vocab_size
+    chunks = config.loss_chunks or default_chunks(seq_len, vocab, config.embed_dim)
+    return 0 if chunks == 1 else 2 * vocab * config.embed_dim
+
+
 def model_flops(s: StepSetting) -> float | None:
     """PaLM's model flops per device per step (``6 N + 12 L T D`` per token, nothing
     recomputed), or None for models other than the GPT and the Llama."""
@@ -87,10 +104,12 @@ def flops(s: StepSetting) -> Estimate | None:
     tokens = s.batch_rows * s.seq_len
     ways = s.size(s.batch_axes) * s.tensor * s.stages * s.context
     per_token = _arithmetic(c)[1]
-    total = (per_token(c, s.seq_len) + remat_flops_per_token(c, s.seq_len)) * tokens
+    recomputed = loss_flops_per_token(c, s.seq_len)
+    total = (per_token(c, s.seq_len) + remat_flops_per_token(c, s.seq_len) + recomputed) * tokens
     policy = getattr(c, "remat", "none")
     how = "(6 N + 12 L T D" + (f" + remat={policy!r}'s recomputation" if policy != "none"
-                               else "") + ") x tokens / devices" + (
+                               else "") + (" + the chunked loss's logits again" if recomputed
+                                           else "") + ") x tokens / devices" + (
         f" (N active: top-{c.moe.top_k} of {c.moe.num_experts} experts"
         + (" + the shared expert" if c.moe.shared_mlp_dim else "") + ")"
         if getattr(c, "moe", None) is not None else "")

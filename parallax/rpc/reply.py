@@ -14,7 +14,10 @@ answer has exactly one reader, whichever comes first:
 
 Both map Ray's failures to this package's the same way: a dead actor is
 :class:`RemoteWorkerError` naming the worker, an exception raised by the function is
-re-raised as itself.
+re-raised as itself, chained from its remote traceback (:func:`parallax.rpc.errors.raised_on`).
+
+Used for workers reached through Ray (:class:`parallax.rpc.peers.RayPeer`): those of another
+machine, or all of them when the group's ``_transports`` is ``["ray"]``.
 
 References:
   Ray, ``ray.get`` and ``ObjectRef.future()`` (its callback deserializes the object);
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import ray
 
-from parallax.rpc.errors import RemoteWorkerError
+from parallax.rpc.errors import RemoteWorkerError, raised_on
 from parallax.rpc.future import NotAnsweredYet
 
 
@@ -84,5 +87,5 @@ class Reply:
                 f"answering {self.describe}: its process is gone, and with it the values of the "
                 "RRefs it owned; restart the RPC group (shutdown, init_rpc)")
         if isinstance(error, ray.exceptions.RayTaskError):
-            return error.cause
+            return raised_on(error.cause, self.worker, self.rank, error.traceback_str or "")
         return error

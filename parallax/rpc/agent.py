@@ -21,7 +21,7 @@ from parallax.rpc.activity import Activity
 from parallax.rpc.answers import AnswerReader, Outbox
 from parallax.rpc.deadlines import Deadlines
 from parallax.rpc.direct import DirectPeer
-from parallax.rpc.errors import RemoteWorkerError, UnknownWorkerError
+from parallax.rpc.errors import UnknownWorkerError
 from parallax.rpc.future import Future
 from parallax.rpc.options import TensorPipeRpcBackendOptions
 from parallax.rpc.peers import LocalPeer, RayPeer
@@ -67,6 +67,7 @@ class Agent:
         self.local = LocalPeer(name, self.rank, self.serve, options.num_worker_threads,
                                self.deadlines)
         self.peers: dict[str, object] = {name: self.local}
+        self.unreachable: dict[str, str] = {}  # why a worker has no peer here
         self.server: Server | None = None
         self.group: tuple[dict, str | None] = ({}, None)  # the driver's: actors, socket dir
         self.call_log = None  # a parallax.rpc.call_log.CallLog while recording is on
@@ -93,6 +94,16 @@ class Agent:
                 self.peers[name] = DirectPeer(name, rank, where["path"], self.answers)
             elif "ray" in transports and where["actor"] is not None:
                 self.peers[name] = RayPeer(name, rank, where["actor"], self.deadlines)
+            elif where["actor"] is None:
+                self.unreachable[name] = (
+                    "it is the driver (the process that called init_rpc), a Ray driver that "
+                    f"hosts no actor, and this group's transports are {list(transports)}: "
+                    "only its Unix socket takes calls, from workers of its machine")
+            else:
+                self.unreachable[name] = (
+                    f"it is on another machine and this group's transports are "
+                    f"{list(transports)}; allow 'ray' in TensorPipeRpcBackendOptions("
+                    "_transports=...) to call across machines")
 
     def close(self) -> None:
         """Stops serving and calling (the process stays)."""
@@ -140,11 +151,8 @@ class Agent:
 
     def _peer(self, to: str, describe: str):
         if to not in self.peers:
-            raise RemoteWorkerError(
-                f"parallax.rpc: {describe}: worker {to!r} cannot be reached from {self.name!r}: "
-                f"it is on another machine and this group's transports are "
-                f"{list(self.options.transports())}; allow 'ray' in "
-                "TensorPipeRpcBackendOptions(_transports=...) to call across machines")
+            raise RuntimeError(f"parallax.rpc: {describe}: worker {to!r} cannot be reached from "
+                               f"{self.name!r}: {self.unreachable.get(to, 'unknown route')}")
         return self.peers[to]
 
     def call(self, to: str, method: str, args: tuple, *, timeout: float | None,

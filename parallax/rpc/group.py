@@ -30,8 +30,10 @@ from parallax.rpc.agent import _CURRENT
 RETIRE_TIMEOUT = 30.0  # seconds for idle workers to leave a group
 
 
-def _job() -> str:
-    return ray.get_runtime_context().get_job_id()
+def _job() -> tuple[str, str]:
+    """This driver's Ray session (a job id repeats across clusters; a node id does not)."""
+    context = ray.get_runtime_context()
+    return context.get_node_id(), context.get_job_id()
 
 
 def _take_idle(count: int) -> list:

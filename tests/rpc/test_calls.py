@@ -61,3 +61,12 @@ def test_timeout_is_honoured(group):
         future.wait(T)
     assert time.monotonic() - start < 2.5
     assert group.rpc_sync("w3", t.sleep_then, args=(0.1, "ok"), timeout=T) == "ok"
+
+
+def test_workers_call_the_driver_and_fetch_the_values_it_owns(group):
+    import os
+
+    assert group.rpc_sync("w2", t.pid_of, args=("driver",), timeout=T) == os.getpid()
+    mine = group.RRef(np.arange(3.0))
+    np.testing.assert_array_equal(group.rpc_sync("w1", t.value_of, args=(mine,), timeout=T),
+                                  [0.0, 1.0, 2.0])

@@ -116,7 +116,7 @@ def test_rrefs_to_attributes_the_forward_reads_are_refused_not_silently_untraine
     optimizer = rpc.DistributedOptimizer(optax.sgd(0.1), params)
     with dist_autograd.context() as ctx:
         y = rpc.rpc_sync("driver", t.server_forward, args=(server, x), timeout=T)
-        loss = rpc.rpc_sync("driver", t.squared_error, args=(y, target[:, :3]), timeout=T)
+        loss = rpc.rpc_sync("driver", t.squared_error, args=(y, x[:, :3]), timeout=T)
         dist_autograd.backward(ctx, [loss])
         with pytest.raises(RuntimeError, match=(
                 r"DistributedOptimizer.step: no gradient reached parameter params_rref\[0\] "
@@ -129,7 +129,7 @@ def test_rrefs_to_attributes_the_forward_reads_are_refused_not_silently_untraine
     skipping = rpc.DistributedOptimizer(optax.adam(0.1), params, allow_unused=True)
     with dist_autograd.context() as ctx:
         y = rpc.rpc_sync("driver", t.server_forward, args=(server, x), timeout=T)
-        loss = rpc.rpc_sync("driver", t.squared_error, args=(y, target[:, :3]), timeout=T)
+        loss = rpc.rpc_sync("driver", t.squared_error, args=(y, x[:, :3]), timeout=T)
         dist_autograd.backward(ctx, [loss])
         skipping.step(ctx)  # PyTorch's rule: a parameter without a gradient is left alone
     np.testing.assert_array_equal(params[0].to_here(T), w1)
@@ -145,10 +145,10 @@ def test_the_same_server_reading_its_rrefs_trains_as_one_process(group):
     for _ in range(2):
         with dist_autograd.context() as ctx:
             y = rpc.rpc_sync("driver", t.server_forward, args=(server, x), timeout=T)
-            loss = rpc.rpc_sync("driver", t.squared_error, args=(y, target[:, :3]), timeout=T)
+            loss = rpc.rpc_sync("driver", t.squared_error, args=(y, x[:, :3]), timeout=T)
             dist_autograd.backward(ctx, [loss])
             optimizer.step(ctx)
-        grad = jax.grad(lambda w: t.squared_error(jnp.tanh(x @ w), target[:, :3]))(w)
+        grad = jax.grad(lambda w: t.squared_error(jnp.tanh(x @ w), x[:, :3]))(w)
         w = w - 0.1 * grad
         np.testing.assert_allclose(params[0].to_here(T), w, rtol=1e-5, atol=1e-6)
 
@@ -161,10 +161,10 @@ def test_get_gradients_on_the_caller_has_the_arrays_it_sent(group):
     r1 = rpc.remote("w1", np.asarray, args=(w1,), timeout=T)
     with dist_autograd.context() as ctx:
         h = rpc.rpc_sync("w1", t.layer, args=(r1, x), timeout=T)
-        loss = rpc.rpc_sync("w2", t.squared_error, args=(h, target[:, :3]), timeout=T)
+        loss = rpc.rpc_sync("w2", t.squared_error, args=(h, x[:, :3]), timeout=T)
         dist_autograd.backward(ctx, [loss])
         grads = dist_autograd.get_gradients(ctx)
-    want = jax.grad(lambda x: t.squared_error(jnp.tanh(x @ w1), target[:, :3]))(x)
+    want = jax.grad(lambda x: t.squared_error(jnp.tanh(x @ w1), x[:, :3]))(x)
     assert x in grads and np.array(x) not in grads and len(grads) == 1  # by identity
     np.testing.assert_allclose(grads[x], want, rtol=RTOL, atol=1e-7)
 
@@ -175,14 +175,14 @@ def test_retain_graph_lets_a_second_backward_add_to_the_gradients(group):
     r1 = rpc.remote("w1", np.asarray, args=(w1,), timeout=T)
     with dist_autograd.context() as ctx:
         h = rpc.rpc_sync("w1", t.layer, args=(r1, x), timeout=T)
-        loss = rpc.rpc_sync("driver", t.squared_error, args=(h, target[:, :3]), timeout=T)
+        loss = rpc.rpc_sync("driver", t.squared_error, args=(h, x[:, :3]), timeout=T)
         dist_autograd.backward(ctx, [loss], retain_graph=True)
         dist_autograd.backward(ctx, [loss])  # the second one frees the records
         got = rpc.rpc_sync("w1", dist_autograd.get_gradients, args=(ctx,), timeout=T)[r1]
         with pytest.raises(RuntimeError, match=r"backward already ran through it \(pass "
                            r"retain_graph=True to the first backward to run it again\)"):
             dist_autograd.backward(ctx, [loss])
-    want = jax.grad(lambda w: t.squared_error(jnp.tanh(x @ w), target[:, :3]))(w1)
+    want = jax.grad(lambda w: t.squared_error(jnp.tanh(x @ w), x[:, :3]))(w1)
     np.testing.assert_allclose(got, 2 * want, rtol=RTOL, atol=1e-7)
 
 
@@ -192,7 +192,7 @@ def test_rref_backward_starts_from_the_value_a_remote_call_made(group):
     r1 = rpc.remote("w1", np.asarray, args=(w1,), timeout=T)
     with dist_autograd.context() as ctx:
         h = rpc.rpc_sync("w1", t.layer, args=(r1, x), timeout=T)
-        loss_rref = rpc.remote("w2", t.squared_error, args=(h, target[:, :3]), timeout=T)
+        loss_rref = rpc.remote("w2", t.squared_error, args=(h, x[:, :3]), timeout=T)
         assert loss_rref.confirmed_by_owner() in (True, False)
         loss_rref.backward(ctx)
         assert loss_rref.confirmed_by_owner() and r1.confirmed_by_owner()
@@ -203,5 +203,5 @@ def test_rref_backward_starts_from_the_value_a_remote_call_made(group):
         with pytest.raises(ValueError, match=r"was not made by a remote\(\) call of this worker "
                            r"in context"):
             r1.backward(ctx)
-    want = jax.grad(lambda w: t.squared_error(jnp.tanh(x @ w), target[:, :3]))(w1)
+    want = jax.grad(lambda w: t.squared_error(jnp.tanh(x @ w), x[:, :3]))(w1)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)

@@ -105,6 +105,8 @@ class DirectPeer:
     def _send(self, method: str, args: tuple, describe: str) -> socket.socket:
         try:
             pieces = frames.encode(frames.CALL, (method, args))
+        except RuntimeError:  # an RRef argument's fork failed (its owner died, timed out)
+            raise
         except Exception as error:  # nothing was sent
             raise unpicklable_error(describe, error) from None
         sock = self._take(describe)

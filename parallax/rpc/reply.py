@@ -26,10 +26,14 @@ References:
 
 from __future__ import annotations
 
+import re
+
 import ray
 
 from parallax.rpc.errors import RemoteWorkerError, raised_on
 from parallax.rpc.future import NotAnsweredYet
+
+ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the worker's name in its messages
 
 
 class Reply:
@@ -87,5 +91,7 @@ class Reply:
                 f"answering {self.describe}: its process is gone, and with it the values of the "
                 "RRefs it owned; restart the RPC group (shutdown, init_rpc)")
         if isinstance(error, ray.exceptions.RayTaskError):
-            return raised_on(error.cause, self.worker, self.rank, error.traceback_str or "")
+            # Ray's "dual" RayTaskError(ValueError) keeps no traceback_str: its text is str()
+            text = vars(error).get("traceback_str") or ANSI_COLOUR.sub("", str(error))
+            return raised_on(error.cause, self.worker, self.rank, text)
         return error

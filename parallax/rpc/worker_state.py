@@ -40,7 +40,10 @@ class WorkerState:
         self.users: dict[str, int] = {}
         self.autograd = AutogradStore()
         self.optimizers: dict[str, tuple] = {}
-        self.lock = threading.Lock()
+        # reentrant, and values are dropped outside it: freeing a value may free RRefs it
+        # holds to values of this worker (a module holding its parameters' RRefs), whose
+        # release takes the lock again, in this thread
+        self.lock = threading.RLock()
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, context: str | None,
             call_id: str | None, rref_id: str | None):
@@ -74,18 +77,21 @@ class WorkerState:
 
     def replace(self, rref_id: str, value) -> None:
         with self.lock:
-            self.values[rref_id] = value
+            old, self.values[rref_id] = self.values.get(rref_id), value
+        del old  # outside the lock: see __init__
 
     def fork(self, rref_id: str) -> None:
         with self.lock:
             self.users[rref_id] = self.users.get(rref_id, 0) + 1
 
     def release(self, rref_id: str) -> None:
+        freed = None
         with self.lock:
             self.users[rref_id] = self.users.get(rref_id, 0) - 1
             if self.users[rref_id] <= 0:
                 del self.users[rref_id]
-                self.values.pop(rref_id, None)
+                freed = self.values.pop(rref_id, None)
+        del freed  # outside the lock: see __init__
 
     def num_owned(self) -> int:
         with self.lock:

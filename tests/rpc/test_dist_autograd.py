@@ -157,16 +157,20 @@ def test_get_gradients_on_the_caller_has_the_arrays_it_sent(group):
     """PyTorch's leaf tensors: an array the caller sent in a recorded call gets its gradient
     in the caller's ``get_gradients``, looked up by identity."""
     rpc, dist_autograd = group, group.dist_autograd
-    x, target, w1, _ = data()
+    x, _, w1, _ = data()
+    target = np.ones((8, 3), np.float32)
     r1 = rpc.remote("w1", np.asarray, args=(w1,), timeout=T)
     with dist_autograd.context() as ctx:
         h = rpc.rpc_sync("w1", t.layer, args=(r1, x), timeout=T)
-        loss = rpc.rpc_sync("w2", t.squared_error, args=(h, x[:, :3]), timeout=T)
+        loss = rpc.rpc_sync("w2", t.squared_error, args=(h, target), timeout=T)
         dist_autograd.backward(ctx, [loss])
         grads = dist_autograd.get_gradients(ctx)
-    want = jax.grad(lambda x: t.squared_error(jnp.tanh(x @ w1), x[:, :3]))(x)
-    assert x in grads and np.array(x) not in grads and len(grads) == 1  # by identity
-    np.testing.assert_allclose(grads[x], want, rtol=RTOL, atol=1e-7)
+    want_x, want_target = jax.grad(lambda x, target: t.squared_error(jnp.tanh(x @ w1), target),
+                                   argnums=(0, 1))(x, target)
+    assert x in grads and target in grads and len(grads) == 2  # every array it sent
+    assert np.array(x) not in grads  # looked up by identity, not value
+    np.testing.assert_allclose(grads[x], want_x, rtol=RTOL, atol=1e-7)
+    np.testing.assert_allclose(grads[target], want_target, rtol=RTOL, atol=1e-7)
 
 
 def test_retain_graph_lets_a_second_backward_add_to_the_gradients(group):

@@ -15,7 +15,8 @@ T = 30
 def test_calls_rrefs_errors_and_the_backward_through_ray(group):
     rpc, dist_autograd = group, group.dist_autograd
     rpc.shutdown()
-    options = rpc.TensorPipeRpcBackendOptions(_transports=["ray"])
+    options = rpc.TensorPipeRpcBackendOptions(_transports=["ray"],
+                                               rpc_timeout=conftest.RPC_TIMEOUT)
     rpc.init_rpc("driver", rank=0, world_size=len(conftest.NAMES),
                  worker_names=conftest.NAMES, rpc_backend_options=options)
     try:

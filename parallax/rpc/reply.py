@@ -71,7 +71,8 @@ class Reply:
         except ray.exceptions.GetTimeoutError:
             raise NotAnsweredYet(self.describe) from None
         except ray.exceptions.RayError as error:
-            raise self.failure(error) from None
+            failure = self.failure(error)
+            raise failure from failure.__cause__  # the remote traceback, not Ray's wrapper
 
     def read_later(self, future) -> None:
         """Completes ``future`` (a :class:`parallax.rpc.Future`) from Ray's callback thread."""

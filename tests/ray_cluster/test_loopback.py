@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from distributed.launching import ROOT, Started, test_env
+from distributed.launching import ROOT, Started
+from distributed.launching import test_env as launch_env
 
 PROGRAM = ROOT / "tests" / "ray_cluster" / "programs" / "sealed_services.py"
 ROUTABLE = "10.99.0.2"
@@ -40,7 +41,7 @@ def test_every_service_listens_and_connects_on_loopback_only_after_import_ray():
     setup = (f"ip link set lo up && ip addr add {ROUTABLE}/24 dev lo && "
              f"ip route add default via {ROUTABLE} dev lo && exec {sys.executable} {PROGRAM} "
              "rpc ps tf user")
-    env = test_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",  # asks Ray for a networked node
+    env = launch_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",  # asks Ray for a networked node
                    RAY_ADDRESS=f"{ROUTABLE}:6379",  # and to join one: parallax starts its own
                    RAY_USAGE_STATS_ENABLED="0", JAX_PLATFORMS="cpu")
     with Started(["unshare", "-n", "bash", "-c", setup], timeout=840, env=env) as program:

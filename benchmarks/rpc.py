@@ -6,8 +6,8 @@ the ratio of each round, the load average printed with them):
 
 1. **init_rpc, 3 workers.** parallax: ``init_rpc("worker0", rank=0, world_size=3)`` on a
    running Ray cluster (the first group's time, which starts the worker processes, is shown
-   apart: later groups reuse them), then ``shutdown()``. torch: two peer processes
-   (``benchmarks/torch_rpc_peer.py``, torch already imported) and rank 0 here call
+   apart: later groups reuse them), then ``shutdown()``. torch: three peer processes
+   (``benchmarks/torch_rpc_peer.py``, torch already imported, fresh for every round) call
    ``init_rpc`` together; the time is rank 0's call (TensorPipe's rendezvous and agent
    start), then a graceful ``shutdown()``.
 2. **rpc_sync, payloads 1 KB .. 16 MB**, both groups up at once: the driver sends a float32
@@ -41,13 +41,26 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own, harmless
 os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # TensorPipe on loopback, as parallax
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 HERE = pathlib.Path(__file__).parent
 nbytes = operator.attrgetter("nbytes")  # pickled by reference, works on arrays and tensors
+
+
+def timed_pair(*fns, repeats):
+    """Times ``fns`` alternately; per function (median, best) in seconds."""
+    samples = tuple([] for _ in fns)
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [(statistics.median(s), min(s)) for s in samples]
 
 
 def load() -> str:
@@ -60,17 +73,18 @@ def spread(values) -> str:
 
 
 class TorchGroup:
-    """torch.distributed.rpc with 3 workers: rank 0 here, ranks 1-2 in peer processes."""
+    """torch.distributed.rpc with 3 workers: ranks ``first..2`` in peer processes, rank 0
+    here unless ``first == 0``."""
 
-    def __init__(self, world_size: int = 3):
+    def __init__(self, world_size: int = 3, first: int = 1):
         with socket.socket() as probe:  # a free port on loopback for TensorPipe's rendezvous
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.world_size = world_size
+        self.world_size, self.here = world_size, first == 1
         self.peers = [subprocess.Popen(
             [sys.executable, str(HERE / "torch_rpc_peer.py"), str(rank), str(world_size),
              str(self.port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            for rank in range(1, world_size)]
+            for rank in range(first, world_size)]
         for peer in self.peers:
             assert peer.stdout.readline().strip() == "ready"
 
@@ -78,20 +92,23 @@ class TorchGroup:
         """Starts the group; seconds rank 0's ``init_rpc`` took."""
         import torch.distributed.rpc as rpc
 
-        options = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://127.0.0.1:{self.port}", num_worker_threads=16)
         start = time.perf_counter()
         for peer in self.peers:
             peer.stdin.write("go\n")
             peer.stdin.flush()
+        if not self.here:  # rank 0 is a peer: its own measure
+            return float(self.peers[0].stdout.readline().split()[1])
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{self.port}", num_worker_threads=16)
         rpc.init_rpc("worker0", rank=0, world_size=self.world_size,
                      rpc_backend_options=options)
         return time.perf_counter() - start
 
     def close(self) -> None:
-        import torch.distributed.rpc as rpc
+        if self.here:
+            import torch.distributed.rpc as rpc
 
-        rpc.shutdown()
+            rpc.shutdown()
         for peer in self.peers:
             peer.wait(60)
 
@@ -114,7 +131,7 @@ def init_times(rounds: int, with_torch: bool):
         ours.append(time.perf_counter() - start)
         rpc.shutdown()
         if with_torch:
-            group = TorchGroup()
+            group = TorchGroup(first=0)  # fresh processes: see torch_rpc_peer.py
             theirs.append(group.init())
             group.close()
     print(f"\ninit_rpc, 3 workers, {rounds} alternating rounds ({load()}), seconds")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import uuid
 
 from parallax.rpc.agent import Agent, WorkerInfo, agent_or_none, current_agent
+from parallax.rpc.backward_pass import backward_pass
 from parallax.rpc.future import Future
 from parallax.rpc.options import UNSET_RPC_TIMEOUT, resolve_timeout
 from parallax.rpc.recording import current_context, tie
@@ -97,15 +98,12 @@ class RRef:
         References:
           PyTorch, ``RRef.backward(dist_autograd_ctx_id=-1, retain_graph=False)``.
         """
-        from parallax.rpc import dist_autograd  # dist_autograd builds on RRefs
-
         if dist_autograd_ctx_id == -1:
             raise NotImplementedError(
                 "parallax.rpc.RRef.backward: dist_autograd_ctx_id=-1 asks PyTorch for a local "
                 "autograd pass on the owner; JAX records no local tape, so pass the context: "
                 "rref.backward(ctx) inside `with dist_autograd.context() as ctx:`")
-        dist_autograd.backward(dist_autograd_ctx_id, [], retain_graph=retain_graph,
-                               rref_roots=[self])
+        backward_pass(dist_autograd_ctx_id, [], retain_graph, [self], UNSET_RPC_TIMEOUT)
 
     def _wait_created(self, api: str, timeout: float | None) -> None:
         if self._created is not None:

@@ -1,42 +1,55 @@
-"""parallax.rpc: call latency and bandwidth against raw Ray, and the RPC pipeline's step time.
+"""parallax.rpc side by side with torch.distributed.rpc (TensorPipe), and the RPC pipeline's
+step time.
 
-Two tables:
+Three tables, each timed alternately in one run (the machine is shared: medians over rounds,
+the ratio of each round, the load average printed with them):
 
-1. **rpc_sync vs a raw Ray actor call**, payloads 1 KB .. 64 MB: the driver sends a float32
-   array to worker1, which answers with its byte count (``rpc.rpc_sync("worker1", nbytes,
-   args=(array,))``), against a plain Ray actor method doing the same (``actor.take.remote(
-   array)``, ``ray.get``). The two are timed alternately in one run (median of the repeats,
-   and the best of them: on a shared machine the slowest samples measure the neighbours).
-   The small payloads give the round-trip latency (each sample times a batch of up to 50
-   calls, a sample of one call being mostly noise), the large ones the bandwidth (bytes sent
-   / time). Target: rpc_sync >= 0.8 of raw. A third column, timed in the same alternation,
-   is a raw Ray call carrying rpc_sync's message (``(method, (fn, args, kwargs, ...))`` as
-   one argument, to a threaded actor like ``RpcWorker``): the part of rpc_sync's time that
-   is Ray's, for the message parallax must send.
-2. **The pipeline example's training step** (``examples/rpc/pipeline.py``: two shards on two
+1. **init_rpc, 3 workers.** parallax: ``init_rpc("worker0", rank=0, world_size=3)`` on a
+   running Ray cluster (the first group's time, which starts the worker processes, is shown
+   apart: later groups reuse them), then ``shutdown()``. torch: three peer processes
+   (``benchmarks/torch_rpc_peer.py``, torch already imported, fresh for every round) call
+   ``init_rpc`` together; the time is rank 0's call (TensorPipe's rendezvous and agent
+   start), then a graceful ``shutdown()``.
+2. **rpc_sync, payloads 1 KB .. 16 MB**, both groups up at once: the driver sends a float32
+   array (a ``torch.Tensor`` made with ``torch.from_numpy`` for torch) to worker1, which
+   answers with its byte count; each round times a batch of calls of one, then of the other
+   (the order alternates), per call. Targets: parallax <= 2x torch at 1 KB, <= 1.5x at 1 MB;
+   init_rpc <= 2 s.
+3. **The pipeline example's training step** (``examples/rpc/pipeline.py``: two shards on two
    workers, forward through RRef proxies, distributed-autograd backward, DistributedOptimizer)
-   against the same model and Adam step in one process (one ``jax.jit``ted step). The model
-   is tiny: the RPC step time is the cost of its messages (2 forward calls, the loss call,
-   2 backward calls, 2 optimizer steps), not of the math.
+   against the same model and Adam step in one process (one ``jax.jit``ted step): the cost of
+   its messages, not of the math (the model is tiny).
+
+torch is a test-only peer: without it the torch columns are skipped.
 
 Usage:
-  python benchmarks/rpc.py [--sizes-kb 1 64 1024 16384 65536] [--repeats 5] [--steps 20]
-  (``--steps 0`` skips the pipeline table)
+  python benchmarks/rpc.py [--sizes-kb 1 64 1024 16384] [--rounds 9] [--init-rounds 5]
+                           [--steps 20]
+  (``--steps 0`` skips the pipeline table, ``--init-rounds 0`` the init_rpc one)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import operator
 import os
 import pathlib
 import runpy
+import socket
 import statistics
+import subprocess
+import sys
 import time
+import warnings
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own, harmless
+os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # TensorPipe on loopback, as parallax
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-nbytes = operator.attrgetter("nbytes")  # pickled by reference: no function bytes per call
+HERE = pathlib.Path(__file__).parent
+nbytes = operator.attrgetter("nbytes")  # pickled by reference, works on arrays and tensors
 
 
 def timed_pair(*fns, repeats):
@@ -50,62 +63,128 @@ def timed_pair(*fns, repeats):
     return [(statistics.median(s), min(s)) for s in samples]
 
 
-def calls(sizes_kb, repeats):
-    import numpy as np
-    import ray
+def load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
+
+def spread(values) -> str:
+    """``median (min-max)``."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+class TorchGroup:
+    """torch.distributed.rpc with 3 workers: ranks ``first..2`` in peer processes, rank 0
+    here unless ``first == 0``."""
+
+    def __init__(self, world_size: int = 3, first: int = 1):
+        with socket.socket() as probe:  # a free port on loopback for TensorPipe's rendezvous
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.world_size, self.here = world_size, first == 1
+        self.peers = [subprocess.Popen(
+            [sys.executable, str(HERE / "torch_rpc_peer.py"), str(rank), str(world_size),
+             str(self.port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for rank in range(first, world_size)]
+        for peer in self.peers:
+            assert peer.stdout.readline().strip() == "ready"
+
+    def init(self) -> float:
+        """Starts the group; seconds rank 0's ``init_rpc`` took."""
+        import torch.distributed.rpc as rpc
+
+        start = time.perf_counter()
+        for peer in self.peers:
+            peer.stdin.write("go\n")
+            peer.stdin.flush()
+        if not self.here:  # rank 0 is a peer: its own measure
+            return float(self.peers[0].stdout.readline().split()[1])
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{self.port}", num_worker_threads=16)
+        rpc.init_rpc("worker0", rank=0, world_size=self.world_size,
+                     rpc_backend_options=options)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.here:
+            import torch.distributed.rpc as rpc
+
+            rpc.shutdown()
+        for peer in self.peers:
+            peer.wait(60)
+
+
+def init_times(rounds: int, with_torch: bool):
     import parallax.rpc as rpc
+    from parallax.ray_cluster.connect import init_cluster
 
-    @ray.remote(num_cpus=0)
-    class Raw:
-        def take(self, array):
-            return array.nbytes
+    start = time.perf_counter()
+    init_cluster()
+    cluster = time.perf_counter() - start
+    start = time.perf_counter()
+    rpc.init_rpc("worker0", rank=0, world_size=3)
+    first = time.perf_counter() - start
+    rpc.shutdown()
+    ours, theirs = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        rpc.init_rpc("worker0", rank=0, world_size=3)
+        ours.append(time.perf_counter() - start)
+        rpc.shutdown()
+        if with_torch:
+            group = TorchGroup(first=0)  # fresh processes: see torch_rpc_peer.py
+            theirs.append(group.init())
+            group.close()
+    print(f"\ninit_rpc, 3 workers, {rounds} alternating rounds ({load()}), seconds")
+    print(f"  Ray cluster start (once per process): {cluster:.2f}; first parallax group "
+          f"(starts the worker processes): {first:.2f}")
+    print(f"  parallax init_rpc: median {statistics.median(ours):.3f} (min {min(ours):.3f}, "
+          f"max {max(ours):.3f})")
+    if theirs:
+        print(f"  torch init_rpc:    median {statistics.median(theirs):.3f} (min "
+              f"{min(theirs):.3f}, max {max(theirs):.3f})")
+        print(f"  parallax / torch: {spread([a / b for a, b in zip(ours, theirs)])}")
+    return cluster, first, ours, theirs
 
-    @ray.remote(num_cpus=0, max_concurrency=32)
-    class RawWithMessage:  # RpcWorker's shape: threaded, one (method, args) argument
-        def dispatch(self, call):
-            method, (fn, args, kwargs, *_) = call
-            return fn(*args, **kwargs)
 
-    raw, message = Raw.remote(), RawWithMessage.remote()
-    ray.get(raw.take.remote(np.zeros(1)))
-    ray.get(message.dispatch.remote(("run", (nbytes, (np.zeros(1),), {}, None, None, None))))
-    rpc.rpc_sync("worker1", nbytes, args=(np.zeros(1),))  # warm the paths
-    print(f"\nrpc_sync vs raw Ray actor call (array sent, its size returned), "
-          f"{repeats} alternating repeats, median (best), ms per call")
-    print(f"{'payload':>9}{'rpc_sync ms':>18}{'raw ms':>18}{'raw+message ms':>18}"
-          f"{'rpc GB/s':>10}{'raw GB/s':>10}{'ratio':>7}")
+def calls(sizes_kb, rounds: int, with_torch: bool):
+    import numpy as np
+
+    import parallax.rpc as prpc
+
+    if with_torch:
+        import torch
+        import torch.distributed.rpc as trpc
+    print(f"\nrpc_sync (array sent, its size returned), {rounds} alternating rounds "
+          f"({load()}); per call: median (min-max) over the rounds, ms")
+    print(f"{'payload':>9}{'calls/round':>12}{'parallax ms':>22}{'torch ms':>22}"
+          f"{'parallax / torch':>22}")
     rows = []
     for kb in sizes_kb:
         array = np.random.default_rng(0).standard_normal(kb * 256).astype(np.float32)
-        per_sample = min(50, max(1, (1 << 20) // array.nbytes))  # small: time a batch of calls
+        tensor = torch.from_numpy(array) if with_torch else None
+        count = min(100, max(4, (16 << 20) // array.nbytes))
 
-        def rpc_calls():
-            for _ in range(per_sample):
-                rpc.rpc_sync("worker1", nbytes, args=(array,))
+        def ours():
+            for _ in range(count):
+                prpc.rpc_sync("worker1", nbytes, args=(array,))
 
-        def raw_calls():
-            for _ in range(per_sample):
-                ray.get(raw.take.remote(array))
+        def theirs():
+            for _ in range(count):
+                trpc.rpc_sync("worker1", nbytes, args=(tensor,))
 
-        def raw_message_calls():
-            for _ in range(per_sample):
-                ray.get(message.dispatch.remote(("run", (nbytes, (array,), {}, None, None,
-                                                         None))))
-
-        (rpc_med, rpc_best), (raw_med, raw_best), (msg_med, msg_best) = [
-            (med / per_sample, best / per_sample)
-            for med, best in timed_pair(rpc_calls, raw_calls, raw_message_calls,
-                                        repeats=repeats)]
-        ratio = raw_med / rpc_med
+        ours(), with_torch and theirs()  # warm up
+        mine, torch_ms = [], []
+        for r in range(rounds):
+            pair = [(ours, mine), (theirs, torch_ms)][:1 + with_torch]
+            for fn, out in (pair if r % 2 == 0 else pair[::-1]):
+                start = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - start) / count * 1e3)
         label = f"{kb} KB" if kb < 1024 else f"{kb // 1024} MB"
-        print(f"{label:>9}{rpc_med * 1e3:>11.3f} ({rpc_best * 1e3:.3f}){raw_med * 1e3:>11.3f} "
-              f"({raw_best * 1e3:.3f}){msg_med * 1e3:>11.3f} ({msg_best * 1e3:.3f})"
-              f"{array.nbytes / rpc_med / 1e9:>10.3f}{array.nbytes / raw_med / 1e9:>10.3f}"
-              f"{ratio:>7.2f}")
-        rows.append((kb, rpc_med, raw_med, msg_med, ratio))
-    ray.kill(raw)
-    ray.kill(message)
+        ratio = spread([a / b for a, b in zip(mine, torch_ms)]) if torch_ms else "-"
+        print(f"{label:>9}{count:>12}{spread(mine):>22}"
+              f"{spread(torch_ms) if torch_ms else '-':>22}{ratio:>22}")
+        rows.append((kb, mine, torch_ms))
     return rows
 
 
@@ -163,8 +242,9 @@ def pipeline(steps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-kb", type=int, nargs="+", default=[1, 64, 1024, 16384, 65536])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes-kb", type=int, nargs="+", default=[1, 64, 1024, 16384])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--init-rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
 
@@ -173,13 +253,26 @@ def main():
 
     import parallax.rpc as rpc
 
+    with_torch = importlib.util.find_spec("torch") is not None
+    versions = f"jax {jax.__version__}, ray {ray.__version__}"
+    if with_torch:
+        import torch
+
+        versions += f", torch {torch.__version__} (TensorPipe)"
+    print(f"{versions}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, {load()}")
+    if args.init_rounds:
+        init_times(args.init_rounds, with_torch)
     rpc.init_rpc("worker0", rank=0, world_size=3)
-    print(f"jax {jax.__version__}, ray {ray.__version__}, backend {jax.default_backend()}")
+    group = TorchGroup() if with_torch else None
     try:
-        calls(args.sizes_kb, args.repeats)
+        if group is not None:
+            group.init()
+        calls(args.sizes_kb, args.rounds, with_torch)
         if args.steps:
             pipeline(args.steps)
     finally:
+        if group is not None:
+            group.close()
         rpc.shutdown()
 
 

@@ -1,16 +1,15 @@
-"""A process's RPC agent: who it is, how to reach the other workers, and how a call travels.
+"""A process's RPC agent: who it is, how it reaches the other workers, and how a call travels.
 
-A call to oneself runs on the agent's thread pool; a call to another worker is a Ray actor
-call (``dispatch``, one argument) whose answer, a :class:`parallax.rpc.reply.Reply`, completes
-a :class:`Future`: read by the caller's own thread when it waits at once (``rpc_sync``,
-:meth:`Agent.call_and_wait`), by Ray's callback thread otherwise; there Ray's failures
-become this package's (a dead actor is :class:`RemoteWorkerError` naming the worker).
+A call to oneself runs on the agent's thread pool; a call to another worker of this machine
+goes over that worker's Unix socket (:class:`parallax.rpc.direct.DirectPeer`), one on another
+machine through its Ray actor (:class:`parallax.rpc.peers.RayPeer`). Each worker, the driver
+included, serves calls on its own socket (:class:`parallax.rpc.server.Server`). Under a
+``dist_autograd`` context a user's call is recorded (:mod:`parallax.rpc.recording`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -18,13 +17,17 @@ from typing import NamedTuple
 
 import jax
 
+from parallax.rpc.activity import Activity
+from parallax.rpc.answers import AnswerReader, Outbox
 from parallax.rpc.deadlines import Deadlines
+from parallax.rpc.direct import DirectPeer
+from parallax.rpc.errors import UnknownWorkerError
 from parallax.rpc.future import Future
-from parallax.rpc.recording import (Tape, call_in_trace, current_anchor, current_context)
-from parallax.rpc.reply import Reply
+from parallax.rpc.options import TensorPipeRpcBackendOptions
+from parallax.rpc.peers import LocalPeer, RayPeer
+from parallax.rpc.recording import Tape, call_in_trace, current_anchor, current_context
+from parallax.rpc.server import Server
 from parallax.rpc.wire import is_float_array, to_host
-
-DEFAULT_TIMEOUT = 60.0  # seconds, PyTorch's default RPC timeout
 
 
 class WorkerInfo(NamedTuple):
@@ -48,21 +51,85 @@ class Agent:
     Args:
       name: this worker's name.
       names: every worker's name, by rank.
-      handles: the Ray actor of every other worker that takes calls (the driver takes none).
       state: this worker's :class:`parallax.rpc.worker_state.WorkerState`.
-      actors: the actors this agent started (the driver's), stopped by ``shutdown``.
+      options: the group's :class:`parallax.rpc.options.TensorPipeRpcBackendOptions`.
       in_actor: whether this agent lives in a worker actor (not in the driver).
     """
 
-    def __init__(self, name: str, names: tuple, handles: dict, state, actors: dict,
+    def __init__(self, name: str, names: tuple, state, options: TensorPipeRpcBackendOptions,
                  in_actor: bool = False):
-        self.name, self.names, self.handles, self.state = name, tuple(names), handles, state
-        self.actors, self.in_actor = actors, in_actor
-        self.executor = concurrent.futures.ThreadPoolExecutor(16, f"parallax-rpc-{name}")
-        self.pending: set[Future] = set()
-        self.lock = threading.Lock()
+        self.name, self.names, self.state = name, tuple(names), state
+        self.rank, self.options, self.in_actor = self.names.index(name), options, in_actor
+        self.default_timeout = float(options.rpc_timeout) or None
         self.deadlines = Deadlines()  # the calls' timeouts, one thread for all
+        self.answers, self.outbox = AnswerReader(), Outbox()
+        self.activity = Activity()  # calls in flight, for a graceful shutdown
+        self.local = LocalPeer(name, self.rank, self.serve, options.num_worker_threads,
+                               self.deadlines)
+        self.peers: dict[str, object] = {name: self.local}
+        self.unreachable: dict[str, str] = {}  # why a worker has no peer here
+        self.server: Server | None = None
+        self.group: tuple[dict, str | None] = ({}, None)  # the driver's: actors, socket dir
         self.call_log = None  # a parallax.rpc.call_log.CallLog while recording is on
+
+    # -- joining the group ----------------------------------------------------------------
+
+    def listen(self, directory: str) -> str:
+        """Serves calls on ``directory/<rank>.sock``; returns the path."""
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        path = os.path.join(directory, f"{self.rank}.sock")
+        self.server = Server(path, self.serve_incoming, self.describe(self.name, "worker"))
+        return path
+
+    def connect(self, table: dict, node: str) -> None:
+        """Learns how to reach every other worker: ``table[name] = {"node", "path", "actor"}``
+        (``node``: its machine; ``path``: its socket or None; ``actor``: its Ray actor or None).
+        Workers of this machine (``node``) are called on their sockets, others through Ray."""
+        transports = self.options.transports()
+        for name, where in table.items():
+            if name == self.name:
+                continue
+            rank = self.names.index(name)
+            if "unix" in transports and where["path"] and where["node"] == node:
+                self.peers[name] = DirectPeer(name, rank, where["path"], self.answers)
+            elif "ray" in transports and where["actor"] is not None:
+                self.peers[name] = RayPeer(name, rank, where["actor"], self.deadlines)
+            elif where["actor"] is None:
+                self.unreachable[name] = (
+                    "it is the driver (the process that called init_rpc), a Ray driver that "
+                    f"hosts no actor, and this group's transports are {list(transports)}: "
+                    "only its Unix socket takes calls, from workers of its machine")
+            else:
+                self.unreachable[name] = (
+                    f"it is on another machine and this group's transports are "
+                    f"{list(transports)}; allow 'ray' in TensorPipeRpcBackendOptions("
+                    "_transports=...) to call across machines")
+
+    def close(self) -> None:
+        """Stops serving and calling (the process stays)."""
+        if self.server is not None:
+            self.server.close()
+        self.outbox.close()
+        self.answers.close()
+        for peer in self.peers.values():
+            peer.close()
+        self.deadlines.close()
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def serve(self, method: str, args: tuple):
+        """Runs ``WorkerState.<method>(*args)``: what every call to this worker does."""
+        return getattr(self.state, method)(*args)
+
+    def serve_incoming(self, method: str, args: tuple):
+        """``serve`` for a call from another worker, counted while it runs."""
+        self.activity.begin()
+        try:
+            return self.serve(method, args)
+        finally:
+            self.activity.end()
+
+    # -- calling ----------------------------------------------------------------------------
 
     def info(self, to, api: str) -> WorkerInfo:
         """The :class:`WorkerInfo` of ``to`` (a name, a rank or a WorkerInfo), validated."""
@@ -73,76 +140,64 @@ class Agent:
             raise TypeError(f"parallax.rpc.{api}: `to` must be a worker name (str), a rank (int) "
                             f"or a WorkerInfo, got {type(to).__name__} {to!r}")
         if name not in self.names:
-            raise ValueError(f"parallax.rpc.{api}: no worker named {name!r} in this RPC group; "
-                             f"its workers are {list(self.names)} (ranks 0..{len(self.names) - 1})"
-                             "; pass one of those names, a rank, or get_worker_info(name)")
+            raise UnknownWorkerError(
+                f"parallax.rpc.{api}: no worker named {name!r} in this RPC group; its workers "
+                f"are {list(self.names)} (ranks 0..{len(self.names) - 1}); pass one of those "
+                "names, a rank, or get_worker_info(name)")
         return WorkerInfo(name, self.names.index(name))
 
     def describe(self, to: str, what: str) -> str:
         return f"{what} on worker {to!r} (rank {self.names.index(to)})"
 
+    def _peer(self, to: str, describe: str):
+        if to not in self.peers:
+            raise RuntimeError(f"parallax.rpc: {describe}: worker {to!r} cannot be reached from "
+                               f"{self.name!r}: {self.unreachable.get(to, 'unknown route')}")
+        return self.peers[to]
+
     def call(self, to: str, method: str, args: tuple, *, timeout: float | None,
              describe: str) -> Future:
         """Runs ``WorkerState.<method>(*args)`` on worker ``to``; a future of the result.
 
-        The answer of a remote call is read by Ray's callback thread (the future is the
-        caller's to keep); a caller that waits at once uses :meth:`call_and_wait`."""
-        return self._start(to, method, args, timeout, describe, wait=False)
+        Raises at once (nothing sent) if the call does not pickle; any other failure
+        completes the future."""
+        future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines)
+        sent = time.time() if self.call_log is not None else None
+        self.activity.begin()
+        try:
+            self._peer(to, describe).call(method, args, future, describe)
+        except TypeError:  # it does not pickle: nothing was sent
+            self.activity.end()
+            raise
+        except Exception as error:
+            future.set_exception(error)
+        future._on_settled(lambda _: self.activity.end())
+        if self.call_log is not None:
+            self.call_log.start(self.name, to, method, describe, args, future, sent)
+        return future
 
     def call_and_wait(self, to: str, method: str, args: tuple, *, timeout: float | None,
                       describe: str):
-        """``call(...).wait()``, but the answer is read in this thread, as a raw ``ray.get``
-        would (no hand-over from Ray's callback thread; see :mod:`parallax.rpc.reply`)."""
-        return self._start(to, method, args, timeout, describe, wait=True).wait()
-
-    def _start(self, to: str, method: str, args: tuple, timeout, describe: str,
-               wait: bool) -> Future:
-        sent = time.time() if self.call_log is not None else None  # before it leaves
-        reply = None
-        if to != self.name:
-            reply = Reply(self._submit(to, method, args, describe), to, self.names.index(to),
-                          describe)
-        # with wait, this thread's wait() (which comes next) reads the reply
-        future = Future(timeout=timeout, describe=describe, deadlines=self.deadlines,
-                        reply=reply if wait else None)
-        if reply is None:
-            done = self.executor.submit(getattr(self.state, method), *args)
-            done.add_done_callback(lambda d: future.set_exception(d.exception())
-                                   if d.exception() else future.set_result(d.result()))
-        elif not wait:
-            future.object_ref = reply.object_ref
-            reply.read_later(future)
-        if self.call_log is not None:
-            self.call_log.start(self.name, to, method, describe, args, future, sent)
-        with self.lock:
-            self.pending.add(future)
-        future._on_settled(self._forget)
-        return future
-
-    def _forget(self, future: Future) -> None:
-        with self.lock:
-            self.pending.discard(future)
-
-    def _submit(self, to: str, method: str, args: tuple, describe: str):
-        if to not in self.handles:
-            raise RuntimeError(
-                f"parallax.rpc: {describe}: worker {to!r} is the driver process (the one that "
-                "called init_rpc), which takes no calls from other workers; run the code that "
-                "must be called on one of the other workers")
+        """``call(...).wait()``, the answer read in this thread (no other thread involved)."""
+        sent = time.time() if self.call_log is not None else None
+        self.activity.begin()
         try:
-            return self.handles[to].dispatch.remote((method, args))
-        except Exception as error:  # Ray's serializer: a function or argument that won't pickle
-            if "serializ" not in str(error).lower() and "pickl" not in str(error).lower():
-                raise
-            raise TypeError(
-                f"parallax.rpc: cannot send {describe}: its function or arguments do not "
-                f"pickle ({type(error).__name__}); pass a module-level function and arrays, "
-                "pytrees or RRefs (no locks, sockets or open files in a closure)") from None
+            return self._peer(to, describe).call_and_wait(method, args, timeout, describe)
+        finally:
+            self.activity.end()
+            if self.call_log is not None:
+                self.call_log.add(self.name, to, method, describe, args, sent)
 
-    def send_after(self, to: str, after, method: str, args: tuple) -> None:
-        """A one-way message: ``WorkerState.<method>(*args)`` on ``to``, once Ray has the
-        object ``after`` (None: at once); nothing waits for it or reads its answer."""
-        self.handles[to].dispatch_after.remote(after, (method, args))
+    def send_one_way(self, to: str, method: str, args: tuple, after: Future | None = None):
+        """``WorkerState.<method>(*args)`` on ``to``, answered by nobody, once ``after`` (a
+        call's future, if any) has settled: queued, safe to call from ``__del__``."""
+        peer = self.peers.get(to)
+        if peer is None:
+            return
+        if after is not None:  # at once if it has settled already
+            after._on_settled(lambda _: self.outbox.put(peer.send_one_way, method, args))
+        else:
+            self.outbox.put(peer.send_one_way, method, args)
 
     def rpc_async(self, api: str, to, fn: Callable, args, kwargs, timeout: float | None,
                   rref_id: str | None = None) -> Future:
@@ -185,9 +240,7 @@ class Agent:
             tape.record_outputs(entry, value)
             return value
 
-        recorded = future.then(keep_outputs)
-        recorded.object_ref = future.object_ref
-        return recorded
+        return future.then(keep_outputs)
 
     def _in_trace(self, api, to, fn, args, kwargs, timeout, what, context, rref_id) -> Future:
         if rref_id is not None:
@@ -202,7 +255,7 @@ class Agent:
                                                   None), timeout=timeout, describe=what)
 
         def run_backward(cotangents):
-            return self.call_and_wait(to, "backward", (context, call_id, cotangents),
+            return self.call_and_wait(to, "backward", (context, call_id, cotangents, False),
                                       timeout=timeout, describe=f"backward of {what}")
 
         done = Future(describe=what)
@@ -211,9 +264,11 @@ class Agent:
 
 
 class _Current:
-    """The process's agent: set by ``init_rpc`` (or a worker actor), cleared by ``shutdown``."""
+    """The process's agent (set by ``init_rpc`` or a worker actor, cleared by ``shutdown``)
+    and the worker actors a driver keeps between groups (``parallax/rpc/group.py``)."""
 
     agent: Agent | None = None
+    idle_workers: tuple = ((), None)  # (actors, the Ray job they belong to)
 
 
 _CURRENT = _Current()  # PyTorch's RPC API is per process: one agent per process

@@ -60,16 +60,18 @@ class CallLog:
               future, sent: float | None = None) -> None:
         """Records the call behind ``future`` (``WorkerState.<kind>(*args)``) once it settles;
         ``sent``: the ``time.time()`` it was sent at (now if None)."""
+        future._on_settled(lambda _: self.add(caller, callee, kind, describe, args, sent))
+
+    def add(self, caller: str, callee: str, kind: str, describe: str, args: tuple,
+            sent: float | None) -> None:
+        """Records a call that has just answered (``sent``: when it left; now if None)."""
         what = describe.split(" on worker ")[0]
         if kind == "run" and "(_call_method)" in what:  # an RRef proxy's call: name the method
             what = what.replace("(_call_method)", f"(.{args[1][1]})")
-        sent = time.time() if sent is None else sent
-
-        def settled(_):
-            with self._lock:
-                self._records.append(CallRecord(caller, callee, kind, what, sent, time.time()))
-
-        future._on_settled(settled)  # leaves the reading of the answer where it was
+        ended = time.time()
+        with self._lock:
+            self._records.append(CallRecord(caller, callee, kind, what,
+                                            ended if sent is None else sent, ended))
 
     def take(self) -> list[CallRecord]:
         with self._lock:
@@ -102,7 +104,7 @@ def record_calls() -> Iterator[list[CallRecord]]:
     if agent.call_log is not None:
         raise RuntimeError("parallax.rpc.call_log.record_calls: calls are already being "
                            "recorded here; record_calls blocks do not nest (use one block)")
-    others = [name for name in agent.names if name in agent.handles]
+    others = [name for name in agent.names if name in agent.peers and name != agent.name]
     for name in others:
         agent.call_and_wait(name, "run", (start_recording, (), {}, None, None, None),
                             timeout=None, describe="start_recording")

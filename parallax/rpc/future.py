@@ -23,6 +23,18 @@ from typing import Any
 from parallax.rpc.errors import RPCTimeoutError
 
 
+def expired_error(describe: str, timeout: float) -> RPCTimeoutError:
+    """The error of a call that passed its deadline.
+
+    Example:
+      >>> str(expired_error("rpc_sync(f) on worker 'w1' (rank 1)", 0.5))[:64]
+      "parallax.rpc: rpc_sync(f) on worker 'w1' (rank 1) did not answer"
+    """
+    return RPCTimeoutError(
+        f"parallax.rpc: {describe} did not answer within its timeout of {timeout} s; pass a "
+        "larger timeout= (0 waits forever) or look at the callee")
+
+
 class NotAnsweredYet(Exception):
     """Raised by a reply's ``read(timeout)`` when the time passed before the answer came (the
     call may still answer): what a :class:`Future`'s reply says instead of a value."""
@@ -79,9 +91,7 @@ class Future:
             self._inner.add_done_callback(lambda _: timer.cancel())
 
     def _expire(self, timeout: float) -> None:
-        self.set_exception(RPCTimeoutError(
-            f"parallax.rpc: {self._describe} did not answer within its timeout of {timeout} s; "
-            "pass a larger timeout= (0 waits forever) or look at the callee"))
+        self.set_exception(expired_error(self._describe, timeout))
 
     def _take_reply(self):
         """The unread answer, now this caller's to read (None if another reader has it)."""

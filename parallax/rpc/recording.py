@@ -79,26 +79,34 @@ class Record(NamedTuple):
 class Entry:
     """A top-level call on the tape of the context's origin."""
 
-    def __init__(self, call_id: str, callee: str, edges: list, rref_id: str | None):
+    def __init__(self, call_id: str, callee: str, edges: list, leaves: list,
+                 rref_id: str | None):
         self.call_id, self.callee, self.edges, self.rref_id = call_id, callee, edges, rref_id
+        self.leaves = leaves  # (input position, array): this worker's own arrays it sent
         self.num_out: int | None = None  # set when the call's result arrives
 
 
 class Tape:
-    """The origin's record of its calls under one context, and which produced which input."""
+    """The origin's record of its calls under one context, which produced which input, and
+    the gradients of the arrays of its own that it sent (PyTorch's leaf tensors)."""
 
     def __init__(self):
         self.entries: list[Entry] = []
         self.producers: dict[int, tuple[str, int]] = {}
         self.keep: list = []  # the output leaves, so that their ids stay theirs
+        self.leaf_gradients: dict[int, list] = {}  # id(array) -> [array, its gradient]
         self.lock = threading.Lock()
 
     def record_call(self, call_id: str, callee: str, float_leaves: list,
                     rref_id: str | None) -> Entry:
         with self.lock:
-            edges = [(j, self.producers[id(leaf)]) for j, leaf in enumerate(float_leaves)
-                     if id(leaf) in self.producers]
-            entry = Entry(call_id, callee, edges, rref_id)
+            edges, leaves = [], []
+            for j, leaf in enumerate(float_leaves):
+                if id(leaf) in self.producers:
+                    edges.append((j, self.producers[id(leaf)]))
+                else:
+                    leaves.append((j, leaf))
+            entry = Entry(call_id, callee, edges, leaves, rref_id)
             self.entries.append(entry)
             return entry
 
@@ -109,6 +117,11 @@ class Tape:
             for i, leaf in enumerate(floats):
                 self.producers[id(leaf)] = (entry.call_id, i)
                 self.keep.append(leaf)
+
+    def add_leaf_gradient(self, leaf, gradient) -> None:
+        with self.lock:
+            kept = self.leaf_gradients.setdefault(id(leaf), [leaf, None])
+            kept[1] = add_trees(kept[1], gradient)
 
 
 class AutogradStore:
@@ -132,16 +145,22 @@ class AutogradStore:
             for key in [k for k in self.records if k[0] == context]:
                 del self.records[key]
 
-    def backward(self, context: str, call_id: str, out_cotangents: list | None):
-        """Runs one recorded call's vjp; returns its float inputs' cotangents (or None)."""
+    def backward(self, context: str, call_id: str, out_cotangents: list | None,
+                 retain_graph: bool = False):
+        """Runs one recorded call's vjp; returns its float inputs' cotangents (or None).
+
+        Without ``retain_graph`` the record is dropped (a second backward through it fails,
+        as PyTorch's does)."""
         with self.lock:
-            record = self.records.pop((context, call_id), None)
+            records = self.records
+            record = (records.get if retain_graph else records.pop)((context, call_id), None)
             own = (self.cotangents.get(context, {}).pop(record.rref_id, None)
                    if record is not None and record.rref_id else None)
         if record is None:
-            raise ValueError(f"parallax.rpc.dist_autograd.backward: call {call_id} of context "
-                             f"{context} has no record here (backward already ran, or the "
-                             "context was released); open a new context per step")
+            raise RuntimeError(
+                f"parallax.rpc.dist_autograd.backward: call {call_id} of context {context} has "
+                "no record here: backward already ran through it (pass retain_graph=True to "
+                "the first backward to run it again), or the context was released")
         cotangents = list(out_cotangents or [None] * len(record.zero_out))
         if own is not None:
             own_floats = [leaf for leaf in jax.tree.leaves(own) if is_float_array(leaf)]

@@ -14,7 +14,10 @@ answer has exactly one reader, whichever comes first:
 
 Both map Ray's failures to this package's the same way: a dead actor is
 :class:`RemoteWorkerError` naming the worker, an exception raised by the function is
-re-raised as itself.
+re-raised as itself, chained from its remote traceback (:func:`parallax.rpc.errors.raised_on`).
+
+Used for workers reached through Ray (:class:`parallax.rpc.peers.RayPeer`): those of another
+machine, or all of them when the group's ``_transports`` is ``["ray"]``.
 
 References:
   Ray, ``ray.get`` and ``ObjectRef.future()`` (its callback deserializes the object);
@@ -23,10 +26,14 @@ References:
 
 from __future__ import annotations
 
+import re
+
 import ray
 
-from parallax.rpc.errors import RemoteWorkerError
+from parallax.rpc.errors import RemoteWorkerError, raised_on
 from parallax.rpc.future import NotAnsweredYet
+
+ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the worker's name in its messages
 
 
 class Reply:
@@ -64,7 +71,8 @@ class Reply:
         except ray.exceptions.GetTimeoutError:
             raise NotAnsweredYet(self.describe) from None
         except ray.exceptions.RayError as error:
-            raise self.failure(error) from None
+            failure = self.failure(error)
+            raise failure from failure.__cause__  # the remote traceback, not Ray's wrapper
 
     def read_later(self, future) -> None:
         """Completes ``future`` (a :class:`parallax.rpc.Future`) from Ray's callback thread."""
@@ -84,5 +92,7 @@ class Reply:
                 f"answering {self.describe}: its process is gone, and with it the values of the "
                 "RRefs it owned; restart the RPC group (shutdown, init_rpc)")
         if isinstance(error, ray.exceptions.RayTaskError):
-            return error.cause
+            # Ray's "dual" RayTaskError(ValueError) keeps no traceback_str: its text is str()
+            text = vars(error).get("traceback_str") or ANSI_COLOUR.sub("", str(error))
+            return raised_on(error.cause, self.worker, self.rank, text)
         return error

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import uuid
 
-from parallax.rpc.agent import DEFAULT_TIMEOUT, Agent, WorkerInfo, agent_or_none, current_agent
+from parallax.rpc.agent import Agent, WorkerInfo, agent_or_none, current_agent
+from parallax.rpc.backward_pass import backward_pass
 from parallax.rpc.future import Future
+from parallax.rpc.options import UNSET_RPC_TIMEOUT, resolve_timeout
 from parallax.rpc.recording import current_context, tie
 
 
@@ -71,6 +73,38 @@ class RRef:
         agent = agent_or_none()
         return agent is not None and agent.name == self._owner
 
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows of this RRef: always on the owner; for an RRef made by
+        ``remote()``, once the owner has stored the value (the creating call answered);
+        for a copy received from another worker, at once (the owner counted it before it
+        was sent).
+
+        References:
+          PyTorch, ``RRef.confirmed_by_owner`` (``OwnerRRef``: true; ``UserRRef``: once the
+          owner acknowledged it).
+        """
+        if self.is_owner() or self._created is None:
+            return True
+        return self._created._inner.done() and self._created._inner.exception() is None
+
+    def backward(self, dist_autograd_ctx_id: str | int = -1, retain_graph: bool = False):
+        """Runs distributed autograd's backward pass from this RRef's value (a root seeded
+        with ones) in context ``dist_autograd_ctx_id``, on the worker that opened it.
+
+        The value must be the result of a ``remote()`` (or the RRef of a value read in a
+        call) made in that context. PyTorch's default, -1, runs a local autograd on the owner;
+        JAX keeps no tape of local work, so a context is required here.
+
+        References:
+          PyTorch, ``RRef.backward(dist_autograd_ctx_id=-1, retain_graph=False)``.
+        """
+        if dist_autograd_ctx_id == -1:
+            raise NotImplementedError(
+                "parallax.rpc.RRef.backward: dist_autograd_ctx_id=-1 asks PyTorch for a local "
+                "autograd pass on the owner; JAX records no local tape, so pass the context: "
+                "rref.backward(ctx) inside `with dist_autograd.context() as ctx:`")
+        backward_pass(dist_autograd_ctx_id, [], retain_graph, [self], UNSET_RPC_TIMEOUT)
+
     def _wait_created(self, api: str, timeout: float | None) -> None:
         if self._created is not None:
             self._created.wait(timeout)  # raises the creating call's error
@@ -87,8 +121,11 @@ class RRef:
         return tie(state.fetch(rref_id),
                    lambda cotangent: state.accumulate(context, rref_id, cotangent))
 
-    def to_here(self, timeout: float | None = DEFAULT_TIMEOUT):
-        """A copy of the value on this worker (the value itself on the owner)."""
+    def to_here(self, timeout: float | None = UNSET_RPC_TIMEOUT):
+        """A copy of the value on this worker (the value itself on the owner).
+
+        Args:
+          timeout: seconds; -1 the group's default, 0 none (PyTorch's meanings)."""
         agent = agent_or_none()
         if agent is None:
             raise RuntimeError("parallax.rpc.RRef.to_here: RPC was shut down in this process "
@@ -97,6 +134,7 @@ class RRef:
                                "rpc.shutdown()")
         if agent.name == self._owner:
             return self.local_value()
+        timeout = resolve_timeout(timeout, agent.default_timeout, "RRef.to_here")
         self._wait_created("to_here", timeout)
         context, owner, rref_id = current_context(), self._owner, self._id
         value = agent.call_and_wait(owner, "fetch", (rref_id,), timeout=timeout,
@@ -105,15 +143,15 @@ class RRef:
             owner, "accumulate", (context, rref_id, cotangent), timeout=timeout,
             describe=agent.describe(owner, "a gradient of RRef.to_here()")))
 
-    def rpc_sync(self, timeout: float | None = DEFAULT_TIMEOUT) -> _Proxy:
+    def rpc_sync(self, timeout: float | None = UNSET_RPC_TIMEOUT) -> _Proxy:
         """``rref.rpc_sync().f(x)`` runs ``value.f(x)`` on the owner and returns the result."""
         return _Proxy(self, "rpc_sync", timeout)
 
-    def rpc_async(self, timeout: float | None = DEFAULT_TIMEOUT) -> _Proxy:
+    def rpc_async(self, timeout: float | None = UNSET_RPC_TIMEOUT) -> _Proxy:
         """``rref.rpc_async().f(x)``: a Future of ``value.f(x)`` run on the owner."""
         return _Proxy(self, "rpc_async", timeout)
 
-    def remote(self, timeout: float | None = DEFAULT_TIMEOUT) -> _Proxy:
+    def remote(self, timeout: float | None = UNSET_RPC_TIMEOUT) -> _Proxy:
         """``rref.remote().f(x)``: an RRef, owned by the owner, of ``value.f(x)``."""
         return _Proxy(self, "remote", timeout)
 
@@ -123,8 +161,9 @@ class RRef:
             if agent.name == self._owner:
                 agent.state.fork(self._id)
             else:
-                self._wait_created("pickle", DEFAULT_TIMEOUT)
-                agent.call_and_wait(self._owner, "fork", (self._id,), timeout=DEFAULT_TIMEOUT,
+                self._wait_created("pickle", agent.default_timeout)
+                agent.call_and_wait(self._owner, "fork", (self._id,),
+                                    timeout=agent.default_timeout,
                                     describe=agent.describe(self._owner, "an RRef fork"))
         return (RRef._user, (self._owner, self._id, None))
 
@@ -135,9 +174,8 @@ class RRef:
                 return
             if agent.name == self._owner:
                 agent.state.release(self._id)
-            elif self._owner in agent.handles:
-                after = self._created.object_ref if self._created is not None else None
-                agent.send_after(self._owner, after, "release", (self._id,))
+            else:  # once the creating call has answered: never before the value exists
+                agent.send_one_way(self._owner, "release", (self._id,), after=self._created)
         except Exception:  # interpreter or Ray shutting down: nothing left to free
             pass
 
@@ -161,12 +199,13 @@ class _Proxy:
         def call(*args, **kwargs):
             agent = current_agent(f"RRef.{self._mode}")
             call_args = (self._rref, method, args, kwargs)
+            timeout = resolve_timeout(self._timeout, agent.default_timeout, f"RRef.{self._mode}")
             if self._mode == "remote":
                 return make_remote(agent, self._rref._owner, _call_method, call_args, {},
-                                   self._timeout)
+                                   timeout)
             run = agent.rpc_sync if self._mode == "rpc_sync" else agent.rpc_async
             return run(f"RRef.{self._mode}", self._rref._owner, _call_method, call_args, {},
-                       self._timeout)
+                       timeout)
 
         return call
 

@@ -9,10 +9,14 @@ from rpc import rpc_testing
 ray.cloudpickle.register_pickle_by_value(rpc_testing)
 
 NAMES = ["driver", "w1", "w2", "w3"]
+# the group's default timeout, which (as in PyTorch) also bounds the workers' start: a loaded
+# test machine may take more than PyTorch's 60 s to start three Python processes
+RPC_TIMEOUT = 180.0
 
 
 def start(rpc):
-    rpc.init_rpc("driver", rank=0, world_size=len(NAMES), worker_names=NAMES)
+    rpc.init_rpc("driver", rank=0, world_size=len(NAMES), worker_names=NAMES,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=RPC_TIMEOUT))
 
 
 @pytest.fixture(scope="session")

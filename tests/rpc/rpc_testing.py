@@ -90,3 +90,65 @@ def open_record_calls():  # on a worker: record_calls belongs to the driver
 
     with record_calls():
         pass
+
+
+def fail_with_value_error(message):
+    raise ValueError(message)
+
+
+# a graceful shutdown waits for calls between workers
+
+
+def write_after(path, seconds):
+    """Sleeps, then writes ``path``: the side effect a lost call would not have."""
+    time.sleep(seconds)
+    with open(path, "w") as out:
+        out.write("done")
+    return path
+
+
+def call_in_background(to, path, seconds):
+    """Starts a call to ``to`` from a thread of this worker and returns at once: a call in
+    flight between two workers that the driver never waits for."""
+    import threading
+
+    threading.Thread(target=rpc.rpc_sync, args=(to, write_after, (path, seconds)),
+                     daemon=True).start()
+    return "started"
+
+
+# the parameter idiom: RRefs to live parameters
+
+
+class AttributeReadingServer:
+    """PyTorch's ``[RRef(p) for p in self.parameters()]`` ported literally: the RRefs hold
+    the arrays, the forward reads the attributes (which no gradient or update reaches)."""
+
+    def __init__(self, w):
+        self.w = np.asarray(w, np.float32)
+        self.params = [rpc.RRef(self.w)]
+
+    def parameter_rrefs(self):
+        return self.params
+
+    def forward(self, x):
+        return jnp.tanh(x @ self.w)
+
+
+class RRefReadingServer(AttributeReadingServer):
+    """The same model, its forward reading the parameters through their RRefs."""
+
+    def forward(self, x):
+        return jnp.tanh(x @ self.params[0].local_value())
+
+
+def server_forward(server_rref, x):
+    return server_rref.rpc_sync().forward(x)
+
+
+def value_of(rref):
+    return rref.to_here()
+
+
+def pid_of(to):
+    return rpc.rpc_sync(to, pid)

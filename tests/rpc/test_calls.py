@@ -26,7 +26,9 @@ def test_arrays_and_pytrees_travel_and_big_results_arrive_without_a_copy(group):
     np.testing.assert_array_equal(out["a"], 2 * x["a"])
     np.testing.assert_array_equal(out["b"][0], [2, 2])
     big = group.rpc_sync("w1", t.ones, args=(1 << 18,), timeout=T)  # 1 MB
-    assert not big.flags.writeable  # a view of Ray's shared-memory object store, not a copy
+    np.testing.assert_array_equal(big, np.ones(1 << 18, np.float32))
+    # a view of the buffer the socket was read into, not a copy of it
+    assert big.base.dtype == np.uint8 and big.base.nbytes == big.nbytes and big.flags.aligned
 
 
 def test_rpc_async_future_wait_then_collect_all_wait_all(group):
@@ -59,3 +61,12 @@ def test_timeout_is_honoured(group):
         future.wait(T)
     assert time.monotonic() - start < 2.5
     assert group.rpc_sync("w3", t.sleep_then, args=(0.1, "ok"), timeout=T) == "ok"
+
+
+def test_workers_call_the_driver_and_fetch_the_values_it_owns(group):
+    import os
+
+    assert group.rpc_sync("w2", t.pid_of, args=("driver",), timeout=T) == os.getpid()
+    mine = group.RRef(np.arange(3.0))
+    np.testing.assert_array_equal(group.rpc_sync("w1", t.value_of, args=(mine,), timeout=T),
+                                  [0.0, 1.0, 2.0])

@@ -28,7 +28,7 @@ from parallax.planner.explain import explain
 from parallax.planner.topology import CLUSTERS
 from parallax.grad.gradients import value_and_grad
 from parallax.mesh import make_mesh
-from parallax.models import GPTConfig, next_token_loss
+from parallax.models import GPTConfig, next_token_loss, next_token_stages
 from parallax.step.spmd_step import train_step
 from parallax.strategies import Pipeline
 from parallax.strategy import compose

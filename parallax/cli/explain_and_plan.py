@@ -77,6 +77,8 @@ def parse_strategy(name: str, devices: int, tensor: int = 2, stages: int = 2,
     virtual = 2 if schedule == "interleaved_1f1b" else 1
     pipeline = Pipeline("stage", microbatches=microbatches or 2 * stage, schedule=schedule,
                         virtual_stages=virtual)
+    if not rest and stage == devices:  # a pipeline alone over every device: no data axis
+        return {"stage": stage}, pipeline, next_token_stages
     return {"stage": stage} | axes, compose(strategy, pipeline), next_token_stages
 
 

@@ -72,6 +72,9 @@ REASONS = {
     "ring flops": "ring attention computes (n+1)/2n of the T x T scores (causal zigzag "
                   "blocks) and its backward recomputes the scores (7 attention matmuls to "
                   "the formula's 6)",
+    "cpu bf16": "the CPU compiler sends bfloat16 as float32 (the program as lowered sends "
+                "bfloat16; XLA's CPU float normalisation widens it): the prediction is the "
+                "target chip's, which sends bfloat16",
     "step time": "a roofline is a lower bound: kernels reach a fraction of peak (the MFU), "
                  "dispatch and synchronisation add time; on simulated CPU devices 8 devices "
                  "share the host's cores",
@@ -160,6 +163,13 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
     return rows
 
 
+def _widened_on_cpu(s: StepSetting, predicted: float, measured: float) -> bool:
+    """Whether a bfloat16 step's collective measured twice its prediction on the CPU."""
+    return (s.backend == "cpu" and s.config is not None
+            and jnp.dtype(s.config.dtype) == jnp.bfloat16
+            and abs(measured / max(predicted, 1.0) - 2) < 0.05)
+
+
 def _axes_text(axes) -> str:
     return "+".join(axes) if axes else "()"
 
@@ -187,6 +197,8 @@ def _traffic_rows(s: StepSetting, measured: dict, context_own: dict | None = Non
             reason = "style='gspmd': XLA's partitioner schedules these (per-layer gathers)"
         if s.context_axis and axes == (s.context_axis,):
             reason = REASONS["context gradients" if kind == "all-reduce" else "context gspmd"]
+        if p and m and _widened_on_cpu(s, p.message_bytes, m[1]):
+            reason = REASONS["cpu bf16"]
         rows.append(Row(TRAFFIC, f"{kind} over {_axes_text(axes)}",
                         p.message_bytes if p else None, m[1] if m else None,
                         how="; ".join(p.how) if p else "compiled program", reason=reason))

@@ -75,6 +75,10 @@ REASONS = {
     "cpu bf16": "the CPU compiler sends bfloat16 as float32 (the program as lowered sends "
                 "bfloat16; XLA's CPU float normalisation widens it): the prediction is the "
                 "target chip's, which sends bfloat16",
+    "cpu bf16 rings": "jax 0.10's CPU compiler writes into a bfloat16 ring (the pipeline's "
+                      "stash and inputs) in float32: each write converts the whole ring to a "
+                      "float32 temporary and back; the prediction is the target chip's, "
+                      "which writes bfloat16 in place",
     "step time": "a roofline is a lower bound: kernels reach a fraction of peak (the MFU), "
                  "dispatch and synchronisation add time; on simulated CPU devices 8 devices "
                  "share the host's cores",
@@ -156,6 +160,8 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
         rows.append(Row(MEMORY, "pipeline buffers", sum(parts.values()), None,
                         how=", ".join(f"{k} {v / 1e6:.3g} MB" for k, v in parts.items() if v)))
     why = REASONS["temporaries"] + ("; " + REASONS["pipeline buffers"] if s.pipeline else "")
+    if s.pipeline and _bf16_on_cpu(s) and jax.__version_info__ < (0, 12):
+        why += "; " + REASONS["cpu bf16 rings"]
     rows.append(Row(MEMORY, "temporaries", temps.value if temps else None, mem.temp_bytes,
                     how=temps.how if temps else "memory_analysis", reason=why))
     rows.append(Row(MEMORY, "peak", args + temps.value if temps else None, mem.peak_bytes,
@@ -163,11 +169,14 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
     return rows
 
 
+def _bf16_on_cpu(s: StepSetting) -> bool:
+    return (s.backend == "cpu" and s.config is not None
+            and jnp.dtype(s.config.dtype) == jnp.bfloat16)
+
+
 def _widened_on_cpu(s: StepSetting, predicted: float, measured: float) -> bool:
     """Whether a bfloat16 step's collective measured twice its prediction on the CPU."""
-    return (s.backend == "cpu" and s.config is not None
-            and jnp.dtype(s.config.dtype) == jnp.bfloat16
-            and abs(measured / max(predicted, 1.0) - 2) < 0.05)
+    return _bf16_on_cpu(s) and abs(measured / max(predicted, 1.0) - 2) < 0.05
 
 
 def _axes_text(axes) -> str:

@@ -19,9 +19,8 @@ import dataclasses
 from parallax.models.gpt_config import flops_per_token, param_count
 from parallax.models.llama_config import LlamaConfig, llama_flops_per_token, llama_param_count
 from parallax.models.remat import recomputed_flops_per_token
-from parallax.nn.chunked_loss import default_chunks
 from parallax.planner.predicted.memory import (Estimate, activation_bytes, local_param_bytes,
-                                               state_bytes)
+                                               loss_chunks, state_bytes)
 from parallax.planner.setting import StepSetting
 
 
@@ -66,24 +65,24 @@ def loss_flops_per_token(config, seq_len: int) -> int:
       ...     GPTConfig.tiny(loss_chunks=1), 64)
       (32768, 0)
     """
-    vocab = config.padded_vocab_size
-    chunks = config.loss_chunks or default_chunks(seq_len, vocab, config.embed_dim)
-    return 0 if chunks == 1 else 2 * vocab * config.embed_dim
+    return 0 if loss_chunks(config, seq_len) == 1 else \
+        2 * config.padded_vocab_size * config.embed_dim
 
 
 def model_flops(s: StepSetting) -> float | None:
     """PaLM's model flops per device per step (``6 N + 12 L T D`` per token, nothing
     recomputed), or None for models other than the GPT and the Llama."""
-    c = s.config
-    if c is None or s.seq_len is None:
-        return None
-    ways = s.size(s.batch_axes) * s.tensor * s.stages * s.context
-    return _arithmetic(c)[1](c, s.seq_len) * s.batch_rows * s.seq_len / ways
+    found = flops(s, recomputed=False)
+    return None if found is None else found.value
 
 
-def flops(s: StepSetting) -> Estimate | None:
+def flops(s: StepSetting, recomputed: bool = True) -> Estimate | None:
     """Matmul flops per device per step for a GPT or Llama (None for other models): the model
-    flops, plus what the remat policy and a pipeline recompute.
+    flops, plus what the remat policy, the chunked loss and a pipeline recompute.
+
+    ``recomputed=False`` leaves out everything recomputed (remat, the loss's logits, a
+    pipeline's forwards): the model's flops, which MFU divides (PaLM's definition; with them
+    it is the hardware flops).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, parallax as px
@@ -95,8 +94,10 @@ def flops(s: StepSetting) -> Estimate | None:
       >>> tokens = jax.ShapeDtypeStruct((8, 65), jnp.int32)
       >>> s = read_setting(px.make_mesh(data=8), px.DataParallel("data"), state,
       ...                  {"tokens": tokens})
-      >>> flops(s).value == px.models.flops_per_token(config) * 64   # 1 row of 64 tokens
+      >>> flops(s, recomputed=False).value == px.models.flops_per_token(config) * 64  # 1 row
       True
+      >>> flops(s).value - flops(s, recomputed=False).value   # the chunked loss's logits again
+      2097152.0
     """
     c = s.config
     if c is None or s.seq_len is None:
@@ -104,17 +105,17 @@ def flops(s: StepSetting) -> Estimate | None:
     tokens = s.batch_rows * s.seq_len
     ways = s.size(s.batch_axes) * s.tensor * s.stages * s.context
     per_token = _arithmetic(c)[1]
-    recomputed = loss_flops_per_token(c, s.seq_len)
-    total = (per_token(c, s.seq_len) + remat_flops_per_token(c, s.seq_len) + recomputed) * tokens
+    remat = remat_flops_per_token(c, s.seq_len) if recomputed else 0
+    loss_again = loss_flops_per_token(c, s.seq_len) if recomputed else 0
+    total = (per_token(c, s.seq_len) + remat + loss_again) * tokens
     policy = getattr(c, "remat", "none")
-    how = "(6 N + 12 L T D" + (f" + remat={policy!r}'s recomputation" if policy != "none"
-                               else "") + (" + the chunked loss's logits again" if recomputed
-                                           else "") + ") x tokens / devices" + (
+    how = "(6 N + 12 L T D" + (f" + remat={policy!r}'s recomputation" if remat else "") + (
+        " + the chunked loss's logits again" if loss_again else "") + ") x tokens / devices" + (
         f" (N active: top-{c.moe.top_k} of {c.moe.num_experts} experts"
         + (" + the shared expert" if c.moe.shared_mlp_dim else "") + ")"
         if getattr(c, "moe", None) is not None else "")
     p = s.pipeline
-    if p is not None and p.remat_fraction:
+    if recomputed and p is not None and p.remat_fraction:
         block = _block_params(c)
         forward = (2 * block + 4 * s.seq_len * c.embed_dim) * c.num_layers * tokens
         total += p.remat_fraction * forward

@@ -187,10 +187,14 @@ class TrainStep:
         """
         if self._multiprocess:
             batch = batch_lib.assemble(batch, self.strategy, self.mesh)
+        state_sh = self.state_shardings(state)
+        # jit's in_shardings do not type a tracer's memory space; an abstract leaf carrying
+        # its sharding does: ZeRO-Offload's host leaves then lower with their transfers.
+        state = jax.tree.map(lambda x, sh: x if isinstance(x, jax.Array) else
+                             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, state_sh)
         jitted = jax.jit(
             self._named_traced(),
-            in_shardings=(self.state_shardings(state), batch_lib.batch_sharding(
-                self.strategy, self.mesh)),
+            in_shardings=(state_sh, batch_lib.batch_sharding(self.strategy, self.mesh)),
             donate_argnums=(0,) if self.donate else (),
         )
         with jax.set_mesh(self.mesh):

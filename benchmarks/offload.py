@@ -15,8 +15,10 @@ layer count, so ``gpt2_350m:48`` is a 0.7B GPT) the step under ``px.ZeRO(--stage
 - ``fits``: the device peak against the device's memory (``memory_stats()["bytes_limit"]``;
   unknown on CPU);
 - ``tok/s``: tokens per second when it fits, median of ``--repeats`` blocks of ``--steps``
-  steps, the three variants alternating block by block (a shared machine is noisy: only
-  ratios measured together mean anything), and the ratio to the run without offload.
+  steps, and the ratio to the run without offload. On CPU the three variants alternate block
+  by block (a shared machine is noisy: only ratios measured together mean anything); on a
+  device with a memory limit they run one after another, one state alive at a time (the
+  largest model's three states would not fit together).
 
 On a GPU the largest model that fits is the last row with ``fits`` yes, with and without
 offload; ``--results PATH`` appends the rows to a RESULTS.md table. ``--tiny`` is the CPU
@@ -121,8 +123,17 @@ def benchmark_model(text: str, args, mesh, limit):
                      "offload": offload or "-", "peak": peak, "host": host, "moves": moves,
                      "fits": fits})
         if fits is not False:
-            runs[offload] = {"step": step, "state": px.init(make_state, mesh, strategy)}
-    speeds = time_blocks(runs, batch, args) if runs else {}
+            runs[offload] = {"step": step, "init": (make_state, mesh, strategy)}
+    if limit is None:  # no memory limit known (CPU): every state alive, blocks alternating
+        for run in runs.values():
+            run["state"] = px.init(*run.pop("init"))
+        speeds = time_blocks(runs, batch, args) if runs else {}
+    else:  # a device's memory holds one variant's state at a time
+        speeds = {}
+        for key, run in runs.items():
+            run["state"] = px.init(*run.pop("init"))
+            speeds.update(time_blocks({key: run}, batch, args))
+            del run["state"]
     for offload, row in zip(VARIANTS, rows):
         row["tok/s"] = speeds.get(offload)
         base = speeds.get(None)

@@ -208,3 +208,23 @@ def test_px_shard_moves_a_state_into_host_memory():
     state = px.shard(fx.mlp_state(), mesh, strategy)
     assert memory_kinds(state) == [HOST if k == HOST else "device"
                                    for k in expected_kinds(state, strategy, mesh)]
+
+
+def test_a_backend_without_pinned_host_memory_is_named():
+    class Memory:
+        kind = "device"
+
+    class Device:
+        platform, process_index = "tpu", 0
+
+        def addressable_memories(self):
+            return [Memory()]
+
+    class Mesh:
+        devices = np.array([Device()])
+
+    check = px.ZeRO(1, "fsdp", offload="optimizer").model_hooks.layout_checks[0]
+    with pytest.raises(ValueError, match=r"px\.init: px\.ZeRO\(offload='optimizer'\) keeps state "
+                       r"in 'pinned_host' memory, but the mesh's tpu devices have only "
+                       r"\['device'\]; drop offload="):
+        check([], Mesh(), api="px.init", prefix=(), model=None)

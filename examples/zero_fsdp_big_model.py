@@ -2,6 +2,7 @@
 
     python examples/zero_fsdp_big_model.py --steps 10
     python examples/zero_fsdp_big_model.py --memory-per-device 64e6 --layers 8
+    python examples/zero_fsdp_big_model.py --offload optimizer
 
 Adam keeps two moments per parameter, so a float32 model needs 16 bytes per parameter in
 training (parameters, gradients, two moments) before any activation. This script builds a
@@ -11,7 +12,9 @@ what data parallelism and ZeRO stages 1, 2 and 3 would hold (the ZeRO paper's fo
 the compiled programs' own peak for DP and FSDP), then trains it with FSDP (ZeRO 3), the
 state created already sharded by ``px.init``: no device ever holds it whole (throughput, MFU
 and memory in the progress bar and a table at the end; ``--logdir`` and ``--profile-steps``
-as for ``parallax demo``).
+as for ``parallax demo``). ``--offload optimizer`` (or ``params``) adds ZeRO-Offload: FSDP
+with the optimizer state (and the parameters) in the host's pinned memory between steps, its
+device peak in the table, and trains with it (docs/offload.md).
 
 FSDP runs in the ``"gspmd"`` style here: XLA gathers each layer's parameters inside the
 layer loop, as PyTorch FSDP does, so the step's peak holds one layer's full parameters at a
@@ -32,6 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--embed", type=int, default=256)
+    parser.add_argument("--offload", choices=("optimizer", "params"), default=None,
+                        help="also ZeRO-Offload: this state in pinned host memory")
     parser.add_argument("--memory-per-device", type=float, default=None,
                         help="bytes per device (default: 48e6 on CPU, the device's limit else)")
     from parallax.metrics import add_arguments
@@ -74,22 +79,27 @@ def main(argv=None) -> int:
             return state.apply_gradients(grads), {"loss": loss}
         return step
 
-    print(f"{'strategy':<22}{'params':>10}{'grads':>10}{'Adam':>10}{'compiled peak':>15}  fits")
     mb = lambda x: f"{x / 1e6:.2f} MB"  # noqa: E731
+    print(f"{'strategy':<22}{'params':>10}{'grads':>10}{'Adam':>10}{'compiled peak':>15}  fits")
     chosen = None
     for name, strategy, compile_it in [
             ("data parallel", px.DataParallel("fsdp"), True),
             ("ZeRO 1", px.ZeRO(1, "fsdp"), False), ("ZeRO 2", px.ZeRO(2, "fsdp"), False),
-            ("FSDP (ZeRO 3)", px.FSDP("fsdp", style="gspmd"), True)]:
-        formula = predicted_memory.state_bytes(
-            setting.read_setting(mesh, strategy, abstract, data[0]))
+            ("FSDP (ZeRO 3)", px.FSDP("fsdp", style="gspmd"), True)] + (
+            [("FSDP + offload",
+              px.FSDP("fsdp", style="gspmd", offload=args.offload), True)]
+            if args.offload else []):
+        s = setting.read_setting(mesh, strategy, abstract, data[0])
+        formula = predicted_memory.state_bytes(s)
+        on_host = predicted_memory.offloaded_bytes(s).value  # not device memory
+        host_note = f"  ({mb(on_host)} of it on the host)" if on_host else ""
         # the compiled program's own peak, for the two ends of the table
         peak = (px.explain(step_for(strategy), abstract, data[0]).row("peak").measured
                 if compile_it else None)
         fits = "" if peak is None else "yes" if peak <= budget else "no"
         print(f"{name:<22}{mb(formula['parameters'].value):>10}"
               f"{mb(formula['gradients'].value):>10}{mb(formula['optimizer state'].value):>10}"
-              f"{mb(peak) if peak else '-':>15}  {fits}")
+              f"{mb(peak) if peak else '-':>15}  {fits}{host_note}")
         chosen = (strategy, fits != "no")
 
     strategy, fits = chosen
@@ -99,7 +109,7 @@ def main(argv=None) -> int:
     step = step_for(strategy)
     state = px.init(make_state, mesh, strategy)
     wte = state.params["wte"][...]
-    print(f"\nFSDP on {px.mesh.describe(mesh)}: each device holds "
+    print(f"\n{strategy.name} on {px.mesh.describe(mesh)}: each device holds "
           f"{wte.addressable_shards[0].data.shape} of the {wte.shape} embedding")
     tokens = args.batch * config.max_seq_len
     with px.metrics.Monitor(items_per_step=tokens,
@@ -112,7 +122,10 @@ def main(argv=None) -> int:
     print(monitor.table())
     held = sum(math.prod(x.addressable_shards[0].data.shape) * x.dtype.itemsize
                for x in jax.tree.leaves(state))
-    print(f"training state on device 0 after training: {held / 1e6:.2f} MB")
+    hosted = sum(math.prod(x.addressable_shards[0].data.shape) * x.dtype.itemsize
+                 for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host")
+    print(f"training state of device 0 after training: {held / 1e6:.2f} MB"
+          + (f", {hosted / 1e6:.2f} MB of it in pinned host memory" if hosted else ""))
     return 0
 
 

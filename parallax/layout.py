@@ -18,6 +18,9 @@ Training states come in several shapes. The parameters are found at a known plac
 Every other leaf is optimizer state when its path ends with a parameter's path and it has
 that parameter's shape (optax's ``mu`` and ``nu`` mirror the parameter tree), and is
 replicated otherwise (step counters, scalars).
+
+A leaf also has a memory kind: the devices' own memory, or ``"pinned_host"`` for a role
+ZeRO-Offload keeps in host memory between steps (``px.ZeRO(..., offload=...)``).
 """
 
 from __future__ import annotations
@@ -75,6 +78,11 @@ class LeafLayout:
         if self.is_sharded(role):
             entries[self.shard_dim] = self.zero.axis
         return PartitionSpec(*entries)
+
+    def memory_kind(self, role: str) -> str | None:
+        """Where this leaf's ``role`` lives between steps: ``"pinned_host"`` when ZeRO
+        offloads the role, None for the devices' own memory."""
+        return self.zero.memory_kind(role) if self.zero is not None else None
 
     def split_over(self, axes) -> tuple[str, ...]:
         """The ``axes`` the rules shard this leaf over (its shards are different values)."""
@@ -177,11 +185,19 @@ class StateLayout:
       specs: a ``PartitionSpec`` per leaf of the whole state (leaf order of the state), in
         :func:`canonical` form.
       roles: ``"param"``, ``"opt"`` or ``"other"`` per leaf of the state.
+      memory_kinds: per leaf of the state, ``"pinned_host"`` when it lives in host memory
+        between steps (ZeRO-Offload), None for the devices' memory.
     """
 
     params: list[LeafLayout]
     specs: list[PartitionSpec]
     roles: list[str]
+    memory_kinds: list[str | None] = dataclasses.field(default_factory=list)
+
+    def shardings(self, mesh) -> list[NamedSharding]:
+        """One ``NamedSharding`` per leaf of the state, with its memory kind."""
+        return [NamedSharding(mesh, spec, memory_kind=kind)
+                for spec, kind in zip(self.specs, self.memory_kinds, strict=True)]
 
 
 def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
@@ -190,7 +206,7 @@ def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
     layouts = param_layouts(_params_of(state, prefix), strategy, mesh, api, prefix, state)
     by_path = {lay.path: lay for lay in layouts}
     longest = max((len(p) for p in by_path), default=0)
-    specs, roles = [], []
+    specs, roles, kinds = [], [], []
     # Leaves are visited in the same order as annotated_leaves visits the parameters.
     param_iter = iter(layouts)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -199,6 +215,7 @@ def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
             lay = next(param_iter)
             specs.append(lay.spec("param"))
             roles.append("param")
+            kinds.append(lay.memory_kind("param"))
             continue
         match = None
         for n in range(min(longest, len(path)), 0, -1):
@@ -209,10 +226,12 @@ def state_layout(state, strategy: Strategy, mesh, api: str) -> StateLayout:
         if match is not None:
             specs.append(match.spec("opt"))
             roles.append("opt")
+            kinds.append(match.memory_kind("opt"))
         else:
             specs.append(PartitionSpec())
             roles.append("other")
-    return StateLayout(layouts, [canonical(spec, mesh) for spec in specs], roles)
+            kinds.append(None)
+    return StateLayout(layouts, [canonical(spec, mesh) for spec in specs], roles, kinds)
 
 
 def canonical(spec: PartitionSpec, mesh) -> PartitionSpec:
@@ -236,12 +255,8 @@ def canonical(spec: PartitionSpec, mesh) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def to_shardings(tree, specs, mesh):
-    """A tree like ``tree`` with a ``NamedSharding`` per leaf, from a flat list of specs."""
-    treedef = jax.tree.structure(tree)
-    return jax.tree.unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
-
-
 def state_shardings(state, strategy: Strategy, mesh, api: str = "px.init"):
-    """``NamedSharding`` per leaf of a training state, for ``jit`` or ``device_put``."""
-    return to_shardings(state, state_layout(state, strategy, mesh, api).specs, mesh)
+    """``NamedSharding`` per leaf of a training state (with its memory kind), for ``jit``
+    or ``device_put``."""
+    shardings = state_layout(state, strategy, mesh, api).shardings(mesh)
+    return jax.tree.unflatten(jax.tree.structure(state), shardings)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from parallax import host_memory
+
 
 @struct.dataclass
 class TrainState:
@@ -91,7 +93,10 @@ class TrainState:
         Returns:
           A new ``TrainState`` with ``step + 1``.
         """
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        # ZeRO-Offload: an optimizer state in host memory comes to the device only now,
+        # after the gradients exist (parallax.host_memory).
+        opt_state = host_memory.to_device(self.opt_state, after=grads)
+        updates, opt_state = self.tx.update(grads, opt_state, self.params)
         params = optax.apply_updates(self.params, updates)
         model = self.__dict__.get("_model") if model is None else model
         rest = self.rest if model is None else self._rest_of(model)

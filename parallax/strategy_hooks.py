@@ -30,9 +30,10 @@ class StateSharding(Protocol):
     """How a ZeRO-like strategy shards training state over one batch axis.
 
     ``parallax.strategies.zero.ZeroSharding`` implements it. The layout asks it which
-    dimension of each leaf to shard and which roles are sharded; the explicit gradient
-    sync calls ``gather`` (inside ``shard_map``, before the forward pass) and ``scatter``
-    (after the backward pass) on leaves whose role it shards.
+    dimension of each leaf to shard, which roles are sharded and in which memory each role
+    lives between steps (ZeRO-Offload); the explicit gradient sync calls ``gather`` (inside
+    ``shard_map``, before the forward pass) and ``scatter`` (after the backward pass) on
+    leaves whose role it shards.
     """
 
     stage: int
@@ -40,6 +41,10 @@ class StateSharding(Protocol):
 
     def shards(self, role: str) -> bool:
         """Whether leaves of ``role`` (``"opt"``, ``"grad"``, ``"param"``) are sharded."""
+
+    def memory_kind(self, role: str) -> str | None:
+        """The memory kind leaves of ``role`` live in between steps (``"pinned_host"``),
+        or None for the devices' own memory."""
 
     def shard_dim(self, base, shape, names, mesh: Mesh) -> int | None:
         """The dimension to shard over ``axis`` (None: keep the leaf replicated)."""

@@ -22,7 +22,7 @@ LAYERS = (
                                                               # compiled programs read
     ("mesh", "rules", "strategy_hooks", "strategy", "layout", "state", "context",
      "activations", "attention_kernel", "attention", "finite_check", "precision",
-     "loss_scale"),  # the nouns
+     "loss_scale", "host_memory"),  # the nouns
     ("step",),  # around the user's step: init, shard, train_step, the batch
     ("grad",),  # around gradients: value_and_grad, producers, micro-batches, module state
     ("distributed", "checkpoint"),  # jax.distributed and Orbax, placing by the core's layouts

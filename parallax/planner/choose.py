@@ -96,6 +96,8 @@ def _predict(e: Evaluation, s: StepSetting, generic: dict, device, link,
         split = s.size(s.batch_axes) * (s.pipeline.microbatches if s.pipeline else 1)
         act = generic["residuals"] / split / s.tensor
         temps = pm.Estimate(act + pm.local_param_bytes(s), "residuals + gradients")
+    args -= pm.offloaded_bytes(s).value  # ZeRO-Offload: in host memory between steps
+    temps = pm.Estimate(max(temps.value, pm.update_bytes(s).value), temps.how)
     e.predicted_peak = args + temps.value
     e.predicted_args, e.predicted_temps = args, temps.value
     flops = pc.flops(s)
@@ -131,7 +133,7 @@ def _compile(e: Evaluation, abstract, loss_fn, batch, devices, device, link, bud
         return None
     text = compiled.as_text()
     branches = setting.pipeline.branches() if setting.pipeline else None
-    e.compiled_peak = hlo.memory(compiled).peak_bytes
+    e.compiled_peak = program.device_memory(compiled, (abstract, batch)).peak_bytes
     traffic = [(k, setting.size(a), size, max(int(round(n)), 1)) for (k, a), (n, size)
                in program.collective_totals(text, mesh, branches).items() if a]
     bubble = pc.bubble(setting).value if setting.pipeline else 0.0

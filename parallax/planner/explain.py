@@ -129,7 +129,8 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
     zero_reason = (f"ZeRO keeps {len(whole)} leaves whole (no dimension divisible by "
                    f"N): {', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}"
                    if s.zero_axis and whole else "")
-    mem = hlo.memory(compiled)
+    mem = program.device_memory(compiled, (state, batch))  # ZeRO-Offload's state left out
+    host = pm.offloaded_bytes(s)
     rows = [
         Row(MEMORY, "parameters", predicted["parameters"].value, measured["param"],
             how=predicted["parameters"].how, reason=zero_reason),
@@ -144,9 +145,14 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
                 if s.context_axis else "")),
     ]
     args = (predicted["parameters"].value + predicted["optimizer state"].value
-            + predicted["other state"].value + s.batch_bytes / max(s.size(s.batch_axes), 1))
+            + predicted["other state"].value + s.batch_bytes / max(s.size(s.batch_axes), 1)
+            - host.value)
+    if host.value:
+        rows.append(Row(MEMORY, "host memory (offloaded)", host.value,
+                        program.host_argument_bytes(compiled, (state, batch)), how=host.how))
     rows.append(Row(MEMORY, "arguments (state + batch)", args, mem.argument_bytes,
-                    how="state + the batch's share", reason=zero_reason))
+                    how="state + the batch's share" + (" - offloaded" if host.value else ""),
+                    reason=zero_reason))
     if s.expert_axis or s.moe is not None:
         experts = [(x, n) for x, n in zip(s.leaves, state_bytes) if x.expert]
         rows.insert(1, Row(MEMORY, "expert weights", pe.expert_weight_bytes(s) if experts
@@ -166,8 +172,14 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
         why += "; " + REASONS["cpu bf16 rings"]
     rows.append(Row(MEMORY, "temporaries", temps.value if temps else None, mem.temp_bytes,
                     how=temps.how if temps else "memory_analysis", reason=why))
-    rows.append(Row(MEMORY, "peak", args + temps.value if temps else None, mem.peak_bytes,
-                    how="arguments + temporaries", reason=REASONS["peak"]))
+    update = pm.update_bytes(s)
+    if update.value:
+        rows.append(Row(MEMORY, "update (offloaded state on the device)", update.value, None,
+                        how=update.how))
+    peak = args + max(temps.value, update.value) if temps else None
+    rows.append(Row(MEMORY, "peak", peak, mem.peak_bytes,
+                    how="arguments + " + ("max(temporaries, update)" if update.value
+                                          else "temporaries"), reason=REASONS["peak"]))
     return rows
 
 

@@ -103,6 +103,15 @@ def batch_shapes(batch) -> dict[str, tuple]:
 def explain_failure(batch, error: Exception, last_shapes: dict | None,
                     api: str = "px.train_step") -> None:
     """Raises parallax's message for an error ``jit`` or the step raised, when one fits."""
+    if "memory_space of all inputs" in str(error):
+        raise ValueError(
+            f"{api}: the step computed with a value held in host memory (ZeRO-Offload, "
+            "px.ZeRO(..., offload=...)) and one in device memory. px.train_step copies "
+            "offloaded leaves to the device before the step, except a px.TrainState's "
+            "optimizer state, which state.apply_gradients(grads) copies after the "
+            "gradients exist; to use state.opt_state yourself, first call "
+            "parallax.host_memory.to_device(state.opt_state). JAX said: "
+            f"{str(error).splitlines()[0]}") from error
     if is_array(batch) and "string indexing" in str(error):
         raise TypeError(
             f"{api}: the batch is a bare array of shape {tuple(batch.shape)}, and the step "

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from parallax import layout
 from parallax.step import boundary_checks as guards
@@ -32,8 +32,9 @@ def init(fn: Callable, mesh: Mesh, strategy: Strategy | None = None):
     ``fn`` is traced once abstractly (``jax.eval_shape``) to find every leaf's shape and
     logical axes, then run under ``jax.jit`` with those shardings as ``out_shardings``, so
     each device materialises only its own shards: no full copy of the model ever lives on
-    one device. NNX's eager sharding is turned off while ``fn`` runs (the layout comes from
-    the strategy, not from the variables).
+    one device (and a leaf ZeRO-Offload keeps in host memory is created there). NNX's eager
+    sharding is turned off while ``fn`` runs (the layout comes from the strategy, not from
+    the variables).
 
     Args:
       fn: a function of no arguments returning the state (``px.TrainState.create(...)``,
@@ -71,9 +72,9 @@ def init(fn: Callable, mesh: Mesh, strategy: Strategy | None = None):
 
     with nnx.use_eager_sharding(False):
         abstract = jax.eval_shape(checked)
-        specs = layout.state_layout(abstract, strategy, mesh, "px.init").specs
+        shardings = layout.state_layout(abstract, strategy, mesh, "px.init").shardings(mesh)
         with jax.set_mesh(mesh):
-            leaves = jax.jit(flat, out_shardings=[NamedSharding(mesh, s) for s in specs])()
+            leaves = jax.jit(flat, out_shardings=shardings)()
     return jax.tree.unflatten(structure[-1], leaves)
 
 

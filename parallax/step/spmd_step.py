@@ -10,7 +10,7 @@ import jax
 from jax.sharding import Mesh
 
 from parallax.step import batch as batch_lib
-from parallax import attention_kernel, context, layout, loss_scale
+from parallax import attention_kernel, context, host_memory, layout, loss_scale
 from parallax import finite_check
 from parallax.step import boundary_checks
 from parallax.mesh import describe
@@ -77,6 +77,7 @@ class TrainStep:
         """The step as ``jit`` traces it: checks, the strategy's context, the layout."""
         self._check(batch)
         state_sh = self.state_shardings(state)
+        state = self._fetched(state)
         with context.activate(self._context), loss_scale.scale_of(state), \
                 finite_check.scope(self.check_finite) as records:
             finite_check.record("batch ", batch)
@@ -95,10 +96,21 @@ class TrainStep:
             )
         self._last_shapes = boundary_checks.batch_shapes(batch)
         new_state = jax.lax.with_sharding_constraint(new_state, state_sh)
+        new_state = host_memory.to_host(new_state, state_sh)
         if not self.check_finite:
             return new_state, metrics
         # Numbered names keep the recording order through jit's sorted dict keys.
         return new_state, metrics, {f"{i:05d} {name}": ok for i, (name, ok) in enumerate(records)}
+
+    @staticmethod
+    def _fetched(state):
+        """``state`` with its leaves in host memory (ZeRO-Offload) copied to the device; a
+        ``px.TrainState``'s optimizer state stays there until ``apply_gradients`` fetches
+        it, after the gradients (:mod:`parallax.host_memory`)."""
+        if isinstance(state, TrainState):
+            return state.replace(params=host_memory.to_device(state.params),
+                                 rest=host_memory.to_device(state.rest))
+        return host_memory.to_device(state)
 
     def __call__(self, state, batch, *args):
         if state is self._donated or (type(state) is TrainState and state.step.is_deleted()):
@@ -165,23 +177,31 @@ class TrainStep:
                                 "to keep it." if self.donate else ""))
         return new_state, metrics
 
-    def lower(self, state, batch, *args):
+    def lower(self, state, batch, *args, platforms: tuple[str, ...] | None = None):
         """``jax.jit(...).lower``: the program this step runs, before compilation.
 
         The state's shardings are the strategy's here (not the arguments' own), so an
         abstract state (``jax.ShapeDtypeStruct`` without shardings) lowers to the program a
-        real call runs.
+        real call runs. ``platforms`` (e.g. ``("cuda",)``) lowers it for another backend
+        instead (``jax.stages.Traced.lower(lowering_platforms=...)``): the program a GPU
+        would run, readable (``as_text()``) on a machine without one, not compilable there.
         """
         if self._multiprocess:
             batch = batch_lib.assemble(batch, self.strategy, self.mesh)
+        state_sh = self.state_shardings(state)
+        # jit's in_shardings do not type a tracer's memory space; an abstract leaf carrying
+        # its sharding does: ZeRO-Offload's host leaves then lower with their transfers.
+        state = jax.tree.map(lambda x, sh: x if isinstance(x, jax.Array) else
+                             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, state_sh)
         jitted = jax.jit(
             self._named_traced(),
-            in_shardings=(self.state_shardings(state), batch_lib.batch_sharding(
-                self.strategy, self.mesh)),
+            in_shardings=(state_sh, batch_lib.batch_sharding(self.strategy, self.mesh)),
             donate_argnums=(0,) if self.donate else (),
         )
         with jax.set_mesh(self.mesh):
-            return jitted.lower(state, batch, *args)
+            if platforms is None:
+                return jitted.lower(state, batch, *args)
+            return jitted.trace(state, batch, *args).lower(lowering_platforms=tuple(platforms))
 
     def compile(self, state, batch, *args, compiler_options: dict | None = None):
         """``lower(...).compile()``, and the step's later calls on arguments of the same

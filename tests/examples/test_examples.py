@@ -37,7 +37,8 @@ COVERED = {  # run (and checked against one device) by these tests
 EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"],
          # px.metrics.Monitor's files, checked below: a log of each step and a trace
          "gradient_accumulation.py": ["--logdir", "{tmp}/logs", "--profile-steps", "2:3"],
-         "llama_long_context.py": ["--check", "--seq-len", "64"]}
+         "llama_long_context.py": ["--check", "--seq-len", "64"],
+         "zero_fsdp_big_model.py": ["--offload", "optimizer"]}  # + ZeRO-Offload's row
 # A ported script: the launcher's flags ("in process": runpy here; "ray": runpy here, in the
 # session's Ray cluster) and its arguments (tiny data, two ranks, a few steps, the check on).
 PORTED = {

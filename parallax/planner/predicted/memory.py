@@ -21,6 +21,9 @@ Each value is an :class:`Estimate` (bytes and the formula in words), computed fr
   (:mod:`parallax.planner.predicted.context_parallel`).
 - **temporaries**: activations, the unsynchronised gradients, and under ZeRO 3 in the
   explicit style the gathered parameters (held for the whole step, see docs/design.md).
+- **host memory** (ZeRO-Offload, ``px.ZeRO(..., offload=...)``): the offloaded roles'
+  bytes leave the device's arguments (:func:`offloaded_bytes`); during the update they come
+  back as the update's working set (:func:`update_bytes`), after the activations are gone.
 
 References:
   Rajbhandari et al., "ZeRO", SC 2020. Korthikanti et al., "Reducing Activation
@@ -83,6 +86,39 @@ def state_bytes(s: StepSetting) -> dict[str, Estimate]:
         "gradients": Estimate(grads, f"Σ Ψ_leaf {split}"
                               + (f" / N={n} (ZeRO ≥ 2)" if _divisor(s, "grad") > 1 else "")),
     }
+
+
+def offloaded_bytes(s: StepSetting) -> Estimate:
+    """State bytes per device that ZeRO-Offload keeps in pinned host memory between steps:
+    the optimizer state (``offload="optimizer"``), and the parameters (``"params"``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, parallax as px
+      >>> from parallax.planner.setting import read_setting
+      >>> params = {"w": jnp.ones((64, 64))}
+      >>> state = (params, optax.adam(1e-3).init(params))
+      >>> s = read_setting(px.make_mesh(fsdp=8), px.ZeRO(1, "fsdp", offload="optimizer"),
+      ...                  state, {"x": jnp.ones((8, 4))})
+      >>> offloaded_bytes(s).value     # the optimizer state of state_bytes, now on the host
+      4096.0
+    """
+    zero, state = s.strategy.zero, state_bytes(s)
+    names = [name for role, name in (("param", "parameters"), ("opt", "optimizer state"))
+             if zero is not None and zero.memory_kind(role) == "pinned_host"]
+    return Estimate(sum(state[name].value for name in names),
+                    " + ".join(names) + " (ZeRO-Offload: pinned host memory)" if names
+                    else "nothing offloaded")
+
+
+def update_bytes(s: StepSetting) -> Estimate:
+    """The device's working set while the update runs under ZeRO-Offload: the synchronised
+    gradients and the offloaded state streamed back (the activations are gone by then).
+    Zero without offload (the update's inputs are then arguments)."""
+    host = offloaded_bytes(s)
+    if not host.value:
+        return Estimate(0.0, "nothing offloaded")
+    return Estimate(host.value + state_bytes(s)["gradients"].value,
+                    f"{host.how.split(' (')[0]} streamed in + gradients")
 
 
 def local_param_bytes(s: StepSetting, stacked: bool | None = None) -> float:

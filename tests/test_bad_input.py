@@ -217,6 +217,13 @@ def tf_strategy():
     return px.tf.MirroredStrategy(devices=[0, 1])
 
 
+def ps_worker_strategy():
+    """A parameter-server strategy as a scheduled function sees it (no servers needed)."""
+    from parallax.tf.parameter_server.replica_api import WorkerStrategy
+
+    return WorkerStrategy(num_workers=1, num_ps=1)
+
+
 # --- the table ----------------------------------------------------------------------------
 
 T, V = TypeError, ValueError
@@ -553,6 +560,34 @@ CASES = [
      r"px.tf.MirroredStrategy.reduce: unknown ReduceOp 'MAX'"),
     ("tf", "zero variable shards", lambda _: px.tf.FixedShardsPartitioner(0), V,
      r"FixedShardsPartitioner: num_shards must be positive"),
+    ("tf", "a Keras-style optimizer given by name to the servers",
+     lambda _: px.tf.ServerOptimizer("sgd"), T,
+     r"px\.tf\.ServerOptimizer: tx must be an optax GradientTransformation \(e\.g\. "
+     r"optax\.sgd\(0\.1\) for Keras's SGD\(learning_rate=0\.1\)\), got str"),
+    ("tf", "a server optimizer outside a parameter-server scope",
+     lambda _: px.tf.ServerOptimizer(optax.sgd(0.1)), V,
+     r"px\.tf\.ServerOptimizer: create it inside `with strategy\.scope\(\):` of a "
+     r"px\.tf\.ParameterServerStrategy \(or pass strategy=\)"),
+    ("tf", "a variable created inside a scheduled function",
+     lambda _: ps_worker_strategy().create_variable(np.ones(2)), V,
+     r"px\.tf\.ParameterServerStrategy \(on a worker\): variables are created on the "
+     r"coordinator, in strategy\.scope\(\) before scheduling"),
+    ("tf", "a per-worker dataset that is a list, not a function",
+     lambda _: ps_worker_strategy().distribute_datasets_from_function([1, 2]), T,
+     r"distribute_datasets_from_function: dataset_fn must be callable as "
+     r"dataset_fn\(input_context\); got list"),
+    ("tf", "a parameter-server reduce over an axis the value lacks",
+     lambda _: ps_worker_strategy().reduce("SUM", np.zeros(3), axis=1), V,
+     r"reduce: axis=1 is out of range for a value of rank 1 \(shape \(3,\)\)"),
+    ("horovod", "a step flag that is a number",
+     lambda _: hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=2).update(
+         {"w": jnp.ones(2)}, hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=2)
+         .init({"w": jnp.zeros(2)}), step=1), T,
+     r"hvd\.DistributedOptimizer: step must be None \(step every backward_passes_per_step "
+     r"passes\), True or False, got int: 1"),
+    ("horovod", "alltoall splits of NumPy's default int64",
+     lambda _: hvd.alltoall(np.arange(4.0), splits=np.array([2, 2])), T,
+     r"hvd\.alltoall: splits must hold 32-bit integers, as Horovod requires"),
     # px.ps
     ("ps", "keys out of order", lambda _: px.ps.keys.check_keys("KVWorker.push", [3, 1]), V,
      r"sorted and unique .*keys\[0\] = 3 is followed by 1"),

@@ -27,6 +27,7 @@ SLOW = {"parallax.horovod.adasum", "parallax.models.gpt", "parallax.nn.layers",
         "parallax.strategies.context_parallel.ring", "parallax.testing",
         "parallax.tf.parameter_server.coordinator", "parallax.tf.parameter_server.embedding",
         "parallax.tf.parameter_server.strategy", "parallax.tf.parameter_server.server_model",
+        "parallax.tf.parameter_server.server_optimizer",
         "parallax.tf.parameter_server.sharded_variable"}
 
 

@@ -34,7 +34,10 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
     Args:
       tensor: this rank's array.
       splits: rows sent to each rank of the set, in rank order (length ``size()``, or the
-        process set's size); by default equal parts.
+        process set's size), adding up to at most the first dimension (the rows after
+        them are not sent); by default equal parts. 32-bit integers, as Horovod requires:
+        a list of ints, or an int32 array (an int64 array is refused, as Horovod refuses
+        torch's default integer tensors).
       name: accepted for Horovod's signature.
       process_set: the ranks taking part; ``tensor`` holds one part per member. Inside a
         program every rank runs it and a rank outside the set gets its tensor back (with
@@ -45,8 +48,9 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
 
     Returns:
       The received array; with ``splits``, ``(received, received_splits)`` as Horovod
-      0.21+ returns them (``received_splits[i]``: the rows the set's ``i``-th rank sent here;
-      inside a program one padded block per sender: :mod:`parallax.horovod.uneven`).
+      0.21+ returns them (``received_splits[i]``: the rows the set's ``i``-th rank sent here,
+      int32 as Horovod's; inside a program one padded block per sender:
+      :mod:`parallax.horovod.uneven`).
 
     Example:
       >>> import numpy as np, parallax.horovod as hvd
@@ -59,11 +63,13 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
     References:
       ``MPI_Alltoallv``; Horovod's ``alltoall`` (horovod/torch/mpi_ops.py: ``splits`` and the
       returned ``received_splits``; horovod/common/operations.cc ``EnqueueTensorAlltoall``:
-      one split per rank of the process set, non-members refused).
+      one split per rank of the process set, 32-bit splits adding up to at most the first
+      dimension, non-members refused).
     """
     del name
     api = "hvd.alltoall"
     ranks = sets.members(api, process_set)
+    splits = None if splits is None else uneven.as_splits(api, splits)  # Horovod's int32
     if in_program(api, tensor, axis_name):
         if splits is not None:
             if ranks is not None:
@@ -100,11 +106,11 @@ def _eager(api: str, tensor, splits, processes: tuple[int, ...]):
                              f"into {count} equal parts{within}; pass splits=[rows for each "
                              "rank].")
         sent = np.full(count, x.shape[0] // count, np.int64)
-    else:
-        sent = np.asarray(splits, np.int64).reshape(-1)
-        if sent.shape != (count,) or (sent < 0).any() or sent.sum() != x.shape[0]:
+    else:  # Horovod: int32 counts, one per rank, adding up to at most the first dimension
+        sent = np.asarray(splits, np.int64)
+        if sent.shape != (count,) or (sent < 0).any() or sent.sum() > x.shape[0]:
             raise ValueError(f"{api}: splits={sent.tolist()} must be {count} counts >= 0, one "
-                             f"per rank{within}, adding up to the first dimension "
+                             f"per rank{within}, adding up to at most the first dimension "
                              f"{x.shape[0]}.")
     where = eager.members_mesh(processes)
     matrix = eager.gather_bytes(sent, where)  # [source, destination]
@@ -115,7 +121,7 @@ def _eager(api: str, tensor, splits, processes: tuple[int, ...]):
         chunks[j, : sent[j]] = x[starts[j]:starts[j + 1]]
     mine = eager.exchange(chunks, where)  # [source, width, ...]
     received = np.concatenate([mine[s, : matrix[s, me]] for s in range(count)])
-    return local_arrays.like(received, tensor), matrix[:, me].copy()
+    return local_arrays.like(received, tensor), matrix[:, me].astype(np.int32)  # Horovod's
 
 
 def _alltoall_set(api: str, x, ranks, axis_name: str):

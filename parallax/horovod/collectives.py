@@ -35,7 +35,9 @@ from parallax.distributed import local_arrays
 from parallax.horovod import eager, join, uneven
 from parallax.horovod import process_sets as sets
 from parallax.horovod.adasum import adasum_all_reduce
-from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
+from parallax.horovod.ops import (Compression, ReduceOp, check_average_dtype,
+                                  check_compression, check_op, integer_average,
+                                  is_integer, scale)
 from parallax.horovod.process_sets import global_process_set
 from parallax.horovod.ranks import AXIS as AXIS
 from parallax.horovod.ranks import owner
@@ -55,14 +57,23 @@ def in_program(api: str, tree, axis_name: str) -> bool:
     return False
 
 
-def reduce_in_program(x, op: ReduceOp, wire, axis_name: str, ranks=None):
-    """``x`` reduced over the axis (or the process set ``ranks``; others keep ``x``)."""
+def reduce_in_program(x, op: ReduceOp, wire, axis_name: str, ranks=None,
+                      postscale: float = 1.0):
+    """``x`` reduced over the axis (or the process set ``ranks``; others keep ``x``), times
+    ``postscale`` (an integer Average: :func:`integer_average`)."""
+    check_average_dtype("hvd.allreduce", op, x.dtype)
+    members = None if ranks is None else sets.is_member(ranks, axis_name)
+    count = lax.axis_size(axis_name) if ranks is None else len(ranks)
+    if op is ReduceOp.Average and is_integer(x.dtype):
+        total = reduce_in_program(x, ReduceOp.Sum, wire, axis_name, ranks)
+        out = integer_average(total, count, postscale)
+        return out if members is None else jnp.where(members, out, x)
     if ranks is None:
         if op is ReduceOp.Adasum:
-            return adasum_all_reduce(x, axis_name)
+            return scale(adasum_all_reduce(x, axis_name), postscale)
         name = {ReduceOp.Sum: "sum", ReduceOp.Average: "mean", ReduceOp.Min: "min",
                 ReduceOp.Max: "max", ReduceOp.Product: "prod"}[op]
-        return comm.all_reduce(x, axis_name, name, compression=wire)
+        return scale(comm.all_reduce(x, axis_name, name, compression=wire), postscale)
     if op is ReduceOp.Product:  # XLA's all-reduce has no product: gather the members
         out = jnp.prod(sets.gather_members(x, ranks, axis_name), axis=0)
     else:
@@ -71,8 +82,8 @@ def reduce_in_program(x, op: ReduceOp, wire, axis_name: str, ranks=None):
         groups = sets.groups(ranks, lax.axis_size(axis_name))
         out = reduce(x.astype(wire.wire_dtype(x.dtype)), axis_name,
                      axis_index_groups=groups).astype(wire.accumulate_dtype(x.dtype))
-        out = (out / len(ranks) if op is ReduceOp.Average else out).astype(x.dtype)
-    return jnp.where(sets.is_member(ranks, axis_name), out, x)
+        out = (out / count if op is ReduceOp.Average else out).astype(x.dtype)
+    return jnp.where(members, scale(out, postscale), x)
 
 
 def check_set_op(api: str, op: ReduceOp, ranks) -> None:
@@ -83,12 +94,16 @@ def check_set_op(api: str, op: ReduceOp, ranks) -> None:
 
 def eager_reduce(api: str, x, op: ReduceOp, wire, counts, prescale: float = 1.0,
                  postscale: float = 1.0):
-    """This process's copy of the reduction of every process's ``x`` (``counts`` per process)."""
+    """This process's copy of the reduction of every process's ``x`` (``counts`` per process).
+
+    An integer Average is Horovod's: the sum, then ``sum * postscale / size`` truncated
+    toward zero on the host in float64, Horovod's own arithmetic (:func:`integer_average`).
+    """
     if not isinstance(x, (jax.Array, np.ndarray)):
         x = np.asarray(x, jax.dtypes.canonicalize_dtype(np.result_type(x)))
-    if op is ReduceOp.Average and not jnp.issubdtype(x.dtype, jnp.inexact):
-        raise TypeError(f"{api}: op=hvd.Average of an integer tensor ({x.dtype}); use "
-                        "op=hvd.Sum.")
+    check_average_dtype(api, op, x.dtype)
+    integer_mean = op is ReduceOp.Average and is_integer(x.dtype)
+    op = ReduceOp.Sum if integer_mean else op
     wide = wire.accumulate_dtype(x.dtype)
     sent = np.asarray(x * prescale if prescale != 1.0 else x).astype(wire.wire_dtype(x.dtype))
     exact = jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype
@@ -100,7 +115,10 @@ def eager_reduce(api: str, x, op: ReduceOp, wire, counts, prescale: float = 1.0,
         out = eager.reduce_on_host(api, sent, op, wide, counts)
     if counts[jax.process_index()] == 0:
         return x  # outside the process set: its own value back
-    out = out * postscale if postscale != 1.0 else out
+    if integer_mean:
+        out = np.trunc(np.asarray(out, np.float64) * postscale / sum(counts))
+    else:
+        out = out * postscale if postscale != 1.0 else out
     return local_arrays.like(np.asarray(out).astype(x.dtype), x)
 
 
@@ -116,8 +134,10 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
       name: accepted for Horovod's signature (JAX orders collectives itself).
       compression: ``hvd.Compression.none|fp16|bf16``: the values travel in 16 bits.
       op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Adasum``, ``hvd.Min``, ``hvd.Max``,
-        ``hvd.Product``.
-      prescale_factor, postscale_factor: multiply before and after the reduction.
+        ``hvd.Product``. The Average of an integer tensor is an integer tensor, the mean
+        truncated toward zero, as Horovod computes it (``[3, 31] / 2 ranks -> [1, 15]``).
+      prescale_factor, postscale_factor: multiply before and after the reduction (an
+        integer tensor is truncated back to its dtype, as Horovod's ``ScaleBuffer`` does).
       process_set: the ranks taking part (``hvd.add_process_set``); Average divides by its
         size. A rank outside it gets its own value back.
       axis_name: the mesh axis of the ranks inside a program (``@hvd.jit``'s ``"data"``).
@@ -133,7 +153,10 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
       True
 
     References:
-      Sergeev & Del Balso 2018, "Horovod"; ``MPI_Allreduce``.
+      Sergeev & Del Balso 2018, "Horovod"; ``MPI_Allreduce``; Horovod's Average as a
+      postscale of ``1 / size`` (horovod/common/ops/gloo_operations.cc) written into the
+      tensor's own dtype (collective_operations.h ``ScaleBufferCPUImpl``), tested for
+      integers in test/parallel/test_torch.py ``test_horovod_allreduce_average``.
     """
     del name
     api = "hvd.allreduce"
@@ -143,11 +166,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     ranks = sets.members(api, process_set)
     check_set_op(api, op, ranks)
     if in_program(api, tensor, axis_name):
-        def one(x):
-            x = x * prescale_factor if prescale_factor != 1.0 else x
-            x = reduce_in_program(x, op, wire, axis_name, ranks)
-            return x * postscale_factor if postscale_factor != 1.0 else x
-        return jax.tree.map(one, tensor)
+        return jax.tree.map(lambda x: reduce_in_program(
+            scale(x, prescale_factor), op, wire, axis_name, ranks, postscale_factor), tensor)
     counts = sets.eager_counts(ranks)
     return jax.tree.map(lambda x: eager_reduce(api, x, op, wire, counts, prescale_factor,
                                                postscale_factor), tensor)

@@ -35,7 +35,9 @@ from jax import lax
 from parallax.distributed import local_arrays
 from parallax.horovod import collectives
 from parallax.horovod import process_sets as sets
-from parallax.horovod.ops import Compression, ReduceOp, check_compression, check_op
+from parallax.horovod.ops import (Compression, ReduceOp, check_average_dtype,
+                                  check_compression, check_op, integer_average,
+                                  is_integer, scale)
 from parallax.horovod.process_sets import global_process_set
 from parallax.horovod.ranks import AXIS, per_process
 from parallax.horovod.timeline import scoped
@@ -88,23 +90,32 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
         counts = sets.eager_counts(ranks)
         return [collectives.eager_reduce(api, t, op, wire, counts, prescale_factor,
                                          postscale_factor) for t in tensors]
-    scaled = [t * prescale_factor if prescale_factor != 1.0 else t for t in tensors]
+    scaled = [scale(t, prescale_factor) for t in tensors]
     if op in (ReduceOp.Adasum, ReduceOp.Product):  # no fused form: one at a time
-        out = [collectives.reduce_in_program(t, op, wire, axis_name, ranks) for t in scaled]
-    else:
-        reduce = {ReduceOp.Sum: lax.psum, ReduceOp.Average: lax.psum, ReduceOp.Min: lax.pmin,
-                  ReduceOp.Max: lax.pmax}[op]
-        n = lax.axis_size(axis_name)
-        groups = None if ranks is None else sets.groups(ranks, n)
-        sent = [t.astype(wire.wire_dtype(t.dtype)) for t in scaled]
-        out = reduce(sent, axis_name, axis_index_groups=groups)  # one all-reduce
-        count = n if ranks is None else len(ranks)
-        out = [(o.astype(wire.accumulate_dtype(t.dtype)) / count if op is ReduceOp.Average
-                else o).astype(t.dtype) for o, t in zip(out, scaled)]
-        if ranks is not None:
-            member = sets.is_member(ranks, axis_name)
-            out = [jnp.where(member, o, t) for o, t in zip(out, scaled)]
-    return [o * postscale_factor if postscale_factor != 1.0 else o for o in out]
+        return [collectives.reduce_in_program(t, op, wire, axis_name, ranks, postscale_factor)
+                for t in scaled]
+    for t in scaled:
+        check_average_dtype(api, op, t.dtype)
+    reduce = {ReduceOp.Sum: lax.psum, ReduceOp.Average: lax.psum, ReduceOp.Min: lax.pmin,
+              ReduceOp.Max: lax.pmax}[op]
+    n = lax.axis_size(axis_name)
+    groups = None if ranks is None else sets.groups(ranks, n)
+    sent = [t.astype(wire.wire_dtype(t.dtype)) for t in scaled]
+    out = reduce(sent, axis_name, axis_index_groups=groups)  # one all-reduce
+    count = n if ranks is None else len(ranks)
+
+    def finish(o, t):  # Average (Horovod's integer mean truncates), then the postscale
+        if op is ReduceOp.Average and is_integer(t.dtype):
+            return integer_average(o.astype(t.dtype), count, postscale_factor)
+        if op is ReduceOp.Average:
+            o = o.astype(wire.accumulate_dtype(t.dtype)) / count
+        return scale(o.astype(t.dtype), postscale_factor)
+
+    out = [finish(o, t) for o, t in zip(out, scaled)]
+    if ranks is not None:
+        member = sets.is_member(ranks, axis_name)
+        out = [jnp.where(member, o, t) for o, t in zip(out, scaled)]
+    return out
 
 
 @scoped("grouped_allgather")

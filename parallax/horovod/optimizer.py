@@ -18,17 +18,12 @@ gradient of the global batch. Where it runs decides how it reduces:
 - inside ``px.train_step``: the strategy (``px.DataParallel``, ZeRO, ...) has already
   averaged the gradients over the batch axes, so only the local accumulation below applies.
 
-``backward_passes_per_step=k`` accumulates ``k`` calls' gradients locally and synchronises
-and applies once, on the ``k``-th; the other calls return zero updates. As in Horovod, the
-``k`` gradients are *summed* (horovod/torch/optimizer.py lets ``p.grad`` accumulate and
-all-reduces the sum; horovod/tensorflow/gradient_aggregation.py and
-gradient_aggregation_eager.py divide by ``k`` only with ``average_aggregated_gradients=True``,
-default False), which is also what DDP's ``no_sync`` gives. So ``k`` micro-batches of ``B/k``
-rows with mean losses step like one batch of ``B`` with ``k`` times the gradient; pass
-``average_aggregated_gradients=True`` (or divide the loss by ``k``, as PyTorch users do) for
-exactly the big batch. (``px.GradientAccumulation`` and ``px.value_and_grad(microbatches=)``
-take the mean instead: they split one batch.) ``gradient_predivide_factor=f`` divides by ``f`` before the sum and by ``size/f`` after
-(with ``op=hvd.Average`` only), to keep fp16 sums in range.
+``backward_passes_per_step=k`` accumulates ``k`` calls' gradients locally (summed, as in
+Horovod) and synchronises and applies once per step; when a step happens, after ``k``
+passes (Horovod's TensorFlow optimizer) or when ``update(..., step=True)`` says so
+(Horovod's torch ``step()``), is :mod:`parallax.horovod.passes`. ``gradient_predivide_factor=f``
+divides by ``f`` before the sum and by ``size/f`` after (with ``op=hvd.Average`` only), to
+keep fp16 sums in range.
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ from jax import lax
 from parallax import comm, context
 from parallax.comm import checks
 from parallax.distributed import local_arrays
-from parallax.horovod import eager, gradient_groups, optimizer_sets
+from parallax.horovod import eager, gradient_groups, optimizer_sets, passes
 from parallax.horovod import process_sets as sets
 from parallax.horovod.adasum import adasum_all_reduce, adasum_stack
 from parallax.horovod.collectives import AXIS, eager_reduce
@@ -182,8 +177,11 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       tx: the optax optimizer to wrap.
       named_parameters: accepted for Horovod's signature (optax sees the whole tree).
       compression: ``hvd.Compression.none|fp16|bf16``: gradients travel in 16 bits.
-      backward_passes_per_step: calls accumulated locally per synchronisation; their
-        gradients are summed, as in Horovod and DDP's ``no_sync``.
+      backward_passes_per_step: calls (backward passes) accumulated locally per step;
+        their gradients are summed, as in Horovod and DDP's ``no_sync``. The ``k``-th call
+        steps (Horovod's TensorFlow optimizer), or, with ``update(grads, state, params,
+        step=True | False)``, the call that says so (Horovod's torch ``step()``: an early
+        step applies the passes so far; :mod:`parallax.horovod.passes`).
       op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
       gradient_predivide_factor: split Average's division around the sum (Average only).
       average_aggregated_gradients: divide the ``backward_passes_per_step`` accumulated
@@ -208,7 +206,8 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       axis_name: the mesh axis of the ranks inside a program (``@hvd.jit``'s ``"data"``).
 
     Returns:
-      An ``optax.GradientTransformation``.
+      An ``optax.GradientTransformationExtraArgs`` (its ``update`` takes ``step=``; other
+      extra arguments reach ``tx``).
 
     Example:
       >>> import jax.numpy as jnp, optax, parallax.horovod as hvd
@@ -221,11 +220,15 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
       >>> updates, state = tx.update({"w": jnp.ones(2)}, state, params)   # synced, applied
       >>> [round(u, 6) for u in updates["w"].tolist()], int(state.count)   # the sum, as Horovod
       ([-0.2, -0.2], 0)
+      >>> updates, state = tx.update({"w": jnp.ones(2)}, state, params, step=True)  # torch's
+      >>> [round(u, 6) for u in updates["w"].tolist()]          # early step(): one pass's sum
+      [-0.1, -0.1]
 
     References:
       Sergeev & Del Balso 2018, "Horovod" (DistributedOptimizer, tensor fusion); Horovod's
-      horovod/torch/optimizer.py and horovod/tensorflow/gradient_aggregation.py
-      (``backward_passes_per_step``, ``average_aggregated_gradients``); Li et al. 2020,
+      horovod/torch/optimizer.py (``step()`` after any number of passes) and
+      horovod/tensorflow/gradient_aggregation.py (``backward_passes_per_step``,
+      ``average_aggregated_gradients``); Li et al. 2020,
       "PyTorch Distributed" (``no_sync``); Maleki et al. 2020 (Adasum).
     """
     del named_parameters
@@ -269,28 +272,22 @@ def DistributedOptimizer(tx: optax.GradientTransformation, named_parameters=None
         accumulated = PerRank(jax.tree.map(jnp.zeros_like, params)) if k > 1 else ()
         return DistributedOptimizerState(tx.init(params), accumulated, jnp.zeros((), jnp.int32))
 
-    def update_fn(grads, state, params=None):
+    inner_tx = optax.with_extra_args_support(tx)
+
+    def update_fn(grads, state, params=None, *, step=None, **extra_args):
+        passes.check_step(API, step, k)
         if k == 1:
-            updates, inner = tx.update(reduce(grads), state.inner, params)
+            updates, inner = inner_tx.update(reduce(grads), state.inner, params, **extra_args)
             return updates, DistributedOptimizerState(inner, (), state.count)
-        accumulated = jax.tree.map(jnp.add, state.accumulated.value, grads)
-        count = state.count + 1
 
-        def apply(_):
-            # Horovod sums the k passes (divides only with average_aggregated_gradients)
-            total = (jax.tree.map(lambda a: a / divisor, accumulated) if divisor > 1
-                     else accumulated)
-            updates, inner = tx.update(reduce(total), state.inner, params)
-            return updates, inner, jax.tree.map(jnp.zeros_like, accumulated), jnp.zeros_like(count)
+        def apply(total):
+            total = jax.tree.map(lambda a: a / divisor, total) if divisor > 1 else total
+            return inner_tx.update(reduce(total), state.inner, params, **extra_args)
 
-        def wait(_):
-            return jax.tree.map(jnp.zeros_like, grads), state.inner, accumulated, count
-
-        if _mode(grads, axis_name) == "eager":
-            out = apply(None) if int(count) >= k else wait(None)
-        else:
-            out = lax.cond(count >= k, apply, wait, None)
-        updates, inner, accumulated, count = out
+        updates, inner, accumulated, count = passes.accumulate(
+            API, grads, state.accumulated.value, state.count, state.inner, apply, k=k,
+            step=step, eager=_mode(grads, axis_name) == "eager")
         return updates, DistributedOptimizerState(inner, PerRank(accumulated), count)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+

@@ -39,8 +39,43 @@ References:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+
+def as_splits(api: str, splits):
+    """``splits`` as Horovod takes them: 32-bit integers, one dimension.
+
+    Horovod's core refuses any other element type ("alltoall expects splits to contain
+    32-bit integer elements": horovod/common/operations.cc ``EnqueueTensorAlltoall``;
+    test_torch.py ``test_horovod_alltoall_splits_type_error``), and its frontends turn a
+    Python list into an int32 tensor (horovod/torch/mpi_ops.py ``_alltoall_async``;
+    TensorFlow's ``convert_to_tensor`` of a list). So a list or tuple of ints is accepted
+    and becomes int32; an array must already be int32 (torch's and NumPy's default
+    integers, int64, are refused, as Horovod refuses a torch.LongTensor).
+
+    Example:
+      >>> as_splits("demo", [1, 2]).dtype
+      dtype('int32')
+    """
+    if isinstance(splits, (list, tuple)):
+        if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+                   for s in splits):
+            raise TypeError(f"{api}: splits must be integers, got {list(splits)!r}.")
+        return np.asarray(splits, np.int32)
+    dtype = getattr(splits, "dtype", None)
+    if dtype is None or np.dtype(dtype) != np.int32:
+        raise TypeError(
+            f"{api}: splits must hold 32-bit integers, as Horovod requires (its core refuses "
+            f"other element types); got "
+            f"{type(splits).__name__ if dtype is None else np.dtype(dtype).name}. Pass a "
+            "list of ints or an int32 array (np.asarray(splits, np.int32)).")
+    if jnp.ndim(splits) != 1:
+        raise ValueError(f"{api}: splits must be one-dimensional (one count per rank), got "
+                         f"shape {tuple(jnp.shape(splits))}.")
+    return splits if isinstance(splits, jax.Array) else np.asarray(splits)
 
 
 def _rows_mask(rows: int, count, like):
@@ -64,7 +99,7 @@ def allgather_valid(api: str, x, valid_rows, axis_name: str):
 def alltoall_splits(api: str, x, splits, axis_name: str):
     """``(received, received_splits)``: the rows each rank sent here, one padded block each."""
     n = lax.axis_size(axis_name)
-    splits = jnp.asarray(splits, jnp.int32)
+    splits = jnp.asarray(as_splits(api, splits))
     if splits.shape != (n,) or jnp.ndim(x) == 0:
         raise ValueError(f"{api}: splits must hold one count per rank (shape ({n},)), got "
                          f"shape {splits.shape}, for a tensor with a first dimension.")
@@ -86,7 +121,7 @@ def alltoall_splits_set(api: str, x, splits, ranks: tuple[int, ...], axis_name: 
     and keep the members' blocks; a rank outside the set receives nothing (zeros, counts 0).
     """
     n, m = lax.axis_size(axis_name), len(ranks)
-    splits = jnp.asarray(splits, jnp.int32)
+    splits = jnp.asarray(as_splits(api, splits))
     if splits.shape != (m,) or jnp.ndim(x) == 0:
         raise ValueError(f"{api}: splits must hold one count per rank of the process set "
                          f"{list(ranks)} (shape ({m},)), got shape {splits.shape}, for a "

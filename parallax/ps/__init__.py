@@ -18,6 +18,7 @@ from parallax.ps.consistency import BoundedDelay as BoundedDelay  # noqa: E402
 from parallax.ps.consistency import as_consistency as as_consistency  # noqa: E402
 from parallax.ps.errors import HandleError as HandleError  # noqa: E402
 from parallax.ps.errors import ServerUnavailableError as ServerUnavailableError  # noqa: E402
+from parallax.ps.handles import ADD as ADD  # noqa: E402
 from parallax.ps.handles import ASSIGN as ASSIGN  # noqa: E402
 from parallax.ps.handles import UPDATE as UPDATE  # noqa: E402
 from parallax.ps.handles import SumHandle as SumHandle  # noqa: E402
@@ -46,6 +47,7 @@ __getattr__ = loader("parallax.ps", _LAZY)
 
 
 __all__ = [
+    "ADD",
     "ASSIGN",
     "BoundedDelay",
     "HandleError",

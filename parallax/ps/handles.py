@@ -22,6 +22,7 @@ import numpy as np
 
 UPDATE = 0  # push cmd: hand the pushed values to the server's handle
 ASSIGN = 1  # push cmd: set the stored values (and reset their per-element state)
+ADD = 2  # push cmd: add the pushed values to the stored ones, whatever the handle (state kept)
 
 
 class Handle(Protocol):

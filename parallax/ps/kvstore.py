@@ -195,6 +195,32 @@ class KVStore:
                    for server in self._servers])
         self.handle, self.consistency, self.num_workers = handle, consistency, num_workers
 
+    def set_handle(self, handle) -> None:
+        """Runs the servers on with another value handle, keeping every stored value.
+
+        The new handle's per-element state starts from its ``init`` of the stored values
+        (an optimizer's fresh slots); pushes in flight meet the old or the new handle.
+        Request handles keep their own store, so neither side may be one.
+
+        Example:
+          >>> import numpy as np, optax, parallax as px
+          >>> store = px.ps.KVStore(num_servers=1)                  # sums pushes
+          >>> client, keys = store.client(), np.arange(2, dtype=np.uint64)
+          >>> client.wait(client.push(keys, np.ones(2, np.float32)))
+          >>> store.set_handle(optax.sgd(0.5))                      # now pushes are gradients
+          >>> client.wait(client.push(keys, np.ones(2, np.float32)))
+          >>> client.wait(client.pull(keys)).tolist()               # 1 - 0.5 * 1
+          [0.5, 0.5]
+          >>> store.shutdown()
+        """
+        handle = _as_handle(handle)
+        if is_request_handle(handle) or is_request_handle(self.handle):
+            raise TypeError("KVStore.set_handle: a request handle keeps its own store, so "
+                            "the stored values cannot pass to or from it; use reset(handle=...) "
+                            "to start the servers empty with it.")
+        self._get([server.set_handle.remote(handle) for server in self._servers])
+        self.handle = handle
+
     def shutdown(self) -> None:
         """Stops the server actors (their values are gone afterwards)."""
         for server in self._servers:

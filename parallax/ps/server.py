@@ -32,10 +32,9 @@ from parallax.ps.table import KVTable
 def publish_to_object_store(array: np.ndarray, min_bytes: int = 1 << 20):
     """A snapshot of ``array`` for a reply: large ones go to Ray's object store right away.
 
-    Ray serialises an actor's return value after the request's coroutine has finished, by
-    which time a later push may have changed the store in place; ``ray.put`` inside the
-    request copies the bytes once, at the right moment (no extra copy, unlike ``np.array``
-    followed by Ray's own). The caller gets the ``ObjectRef`` and fetches it.
+    Ray serialises an actor's return value after the request's coroutine has finished, when
+    a later push may have changed the store in place; ``ray.put`` inside the request copies
+    the bytes once, at the right moment. The caller gets the ``ObjectRef`` and fetches it.
     """
     if array.nbytes >= min_bytes:
         return ray.put(array)
@@ -92,6 +91,10 @@ class KVServer:
         """Forgets every key, clock and statistic; runs on with a new handle and model."""
         self._start(handle, consistency, num_workers, self.table.values.dtype)
 
+    async def set_handle(self, handle) -> None:
+        """Runs on with ``handle``, keeping the stored values (its state starts fresh)."""
+        self.handle, self.state = handle, table_updates.rehandle(self.table, handle)
+
     # -- requests --------------------------------------------------------------------------
 
     async def push(self, keys, values, lens, cmd, worker, iteration, timestamp=-1):
@@ -116,10 +119,9 @@ class KVServer:
     async def pull(self, keys, slot, worker, iteration, lens=None, cmd=UPDATE, timestamp=-1):
         """(values, lens, staleness) of ``keys`` once the consistency model allows it.
 
-        ``lens``: the values the caller expects per key (None: whatever is stored); a key
-        never pushed then reads as that many zeros, PS-Lite's default handle's answer
-        (``store[key]`` of a missing key is ``Val()``), without being stored. A request
-        handle answers instead (``cmd`` and ``timestamp`` reach it in its ``KVMeta``).
+        ``lens``: the values expected per key (None: what is stored); a key never pushed
+        reads as that many zeros (PS-Lite's ``store[key]`` of a missing key), unstored.
+        A request handle answers instead (``cmd``, ``timestamp`` in its ``KVMeta``).
         """
         staleness = await self._admit(worker, iteration)
         if is_request_handle(self.handle):
@@ -229,12 +231,10 @@ class KVServer:
         return self.publish(values), got, staleness
 
     async def ping(self) -> int:
-        """This server's process id (also a liveness check)."""
-        return os.getpid()
+        return os.getpid()  # this server's process id (also a liveness check)
 
     async def clock_of(self, worker: int) -> int:
-        """Iterations ``worker`` has finished on this key range."""
-        return int(self.clock.clock[worker])
+        return int(self.clock.clock[worker])  # iterations it finished on this key range
 
     async def stats(self) -> dict:
         """Request counts, bytes moved, and the staleness of every ranked pull served."""

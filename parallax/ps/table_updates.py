@@ -4,9 +4,11 @@
 A push of keys never seen inserts them (a key's length is fixed by its first push) and
 extends the handle's per-element state (an optimizer's moments) with its initial value;
 ``UPDATE`` then runs the handle on the stored values and the pushed ones, ``ASSIGN``
-overwrites them and resets their state. A pull reads values, or one per-element slot of
-the state, in key order; a key never pushed reads as zeros of the stated length (for a
-slot: the handle's initial state of zero values), without being stored.
+overwrites them and resets their state, ``ADD`` adds to them whatever the handle is and
+leaves its state alone (TensorFlow's ``assign_add`` next to an optimizer's slots). A pull
+reads values, or one per-element slot of the state, in key order; a key never pushed reads
+as zeros of the stated length (for a slot: the handle's initial state of zero values),
+without being stored.
 
 The functions act on a :class:`~parallax.ps.table.KVTable` in place and take and return the
 handle's state; :class:`parallax.ps.server.KVServer` holds both, counts the requests, and
@@ -35,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from parallax.ps.handles import ASSIGN, UPDATE, Handle
+from parallax.ps.handles import ADD, ASSIGN, UPDATE, Handle
 from parallax.ps.table import KVTable, expand_segments
 
 
@@ -113,9 +115,9 @@ def push(table: KVTable, state, handle: Handle, keys, values, lens, cmd, *,
       ValueError: an unknown ``cmd``, or a key pushed with another length than its first.
     """
     api = f"KVWorker.push (server {rank})"
-    if cmd not in (UPDATE, ASSIGN):
-        raise ValueError(f"{api}: cmd must be px.ps.UPDATE (0) or px.ps.ASSIGN (1), got "
-                         f"{cmd!r}; other commands need a request handle "
+    if cmd not in (UPDATE, ASSIGN, ADD):
+        raise ValueError(f"{api}: cmd must be px.ps.UPDATE (0), px.ps.ASSIGN (1) or "
+                         f"px.ps.ADD (2), got {cmd!r}; other commands need a request handle "
                          f"(handle(meta, data, server), see px.ps.KVMeta).")
     values = np.asarray(values).reshape(-1)
     if lens is None:
@@ -138,6 +140,9 @@ def push(table: KVTable, state, handle: Handle, keys, values, lens, cmd, *,
         table.values[where] = values
         fresh = handle.init(values)
         return _scatter(table, state, where, fresh, shared=False), None
+    if cmd == ADD:
+        table.values[where] += values.astype(table.values.dtype, copy=False)
+        return state, None
     stored = table.values[where]
     part = jax.tree.map(lambda leaf: leaf[where] if _is_slot(leaf, table.values) else leaf,
                         state)
@@ -159,6 +164,13 @@ def _scatter(table: KVTable, state, where, part, *, shared: bool):
             return leaf
         return np.asarray(new) if shared else leaf
     return jax.tree.map(put, state, part)
+
+
+def rehandle(table: KVTable, handle: Handle):
+    """A new handle's state for the values already stored (they are kept): an optimizer
+    given after the variables exist starts with fresh slots, as TensorFlow's creates them
+    at its first ``apply_gradients``."""
+    return handle.init(table.values)
 
 
 def _insert(table: KVTable, state, handle: Handle, keys, lens):

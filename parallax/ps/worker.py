@@ -126,8 +126,9 @@ class KVWorker:
           keys: sorted, unique uint64 keys.
           values: the values, flat in key order (or ``[len(keys), k]``).
           lens: values per key, when keys have different lengths.
-          cmd: ``px.ps.UPDATE`` (the server's handle) or ``px.ps.ASSIGN`` (overwrite); a
-            request handle (:mod:`parallax.ps.request`) receives any integer.
+          cmd: ``px.ps.UPDATE`` (the server's handle), ``px.ps.ASSIGN`` (overwrite) or
+            ``px.ps.ADD`` (add, whatever the handle); a request handle
+            (:mod:`parallax.ps.request`) receives any integer.
           cb: called as ``cb()`` once every server has applied the push: on this worker's
             callback thread, in the order requests were issued, before :meth:`wait` of
             this request returns (PS-Lite's ``Push(..., cmd, cb)``).

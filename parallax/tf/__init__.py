@@ -73,11 +73,13 @@ from parallax.tf.parameter_server.variable import Variable as Variable
 _PARAMETER_SERVER_NAMES = {
     "ClusterCoordinator": "parallax.tf.parameter_server.coordinator",
     "FunctionCancelledError": "parallax.tf.parameter_server.remote_value",
+    "MissingOptimizerError": "parallax.tf.parameter_server.missing_optimizer",
     "ParameterServerStrategy": "parallax.tf.parameter_server.strategy",
     "PerWorkerIterator": "parallax.tf.parameter_server.remote_value",
     "PerWorkerValues": "parallax.tf.parameter_server.remote_value",
     "RemoteValue": "parallax.tf.parameter_server.remote_value",
     "ServerModel": "parallax.tf.parameter_server.server_model",
+    "ServerOptimizer": "parallax.tf.parameter_server.server_optimizer",
     "ShardedVariable": "parallax.tf.parameter_server.sharded_variable",
     "SparseRows": "parallax.tf.parameter_server.sharded_variable",
     "embedding_lookup": "parallax.tf.parameter_server.embedding",

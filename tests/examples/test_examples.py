@@ -48,6 +48,7 @@ PORTED = {
         ["--nproc-per-node", "2"], ["2", "1", "--dataset_size", "128", "--check",
                                     "--snapshot_path", "{tmp}/snapshot"]),
     "ported/pslite_test_kv_app.py": ("ray", ["--num", "1000", "--repeat", "12"]),
+    "ported/tf_parameter_server_training.py": ("ray", ["--steps", "6", "--check"]),
     "ported/tf_custom_training.py": (
         "in process", ["--epochs", "1", "--train-size", "64", "--test-size", "32",
                        "--batch-per-replica", "4", "--check", "--checkpoint-dir", "{tmp}/ckpt"]),
@@ -77,16 +78,35 @@ def test_the_readme_lists_every_example_once():
 
 
 def _run_here(name, tmp_path, monkeypatch, capsys) -> str:
-    """Runs an example in this process; returns what it printed."""
+    """Runs an example in this process; returns what it printed.
+
+    What the script adds to the environment (TensorFlow's scripts set ``TF_CONFIG``) is
+    taken out again afterwards, for the tests that run next in this process.
+    """
     monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *argv(name, tmp_path)])
     monkeypatch.chdir(tmp_path)  # anything an example writes by default lands here
+    before = set(os.environ)
     try:
         runpy.run_path(str(EXAMPLES / name), run_name="__main__")
     except SystemExit as exit_:
         assert exit_.code in (0, None), capsys.readouterr().out[-3000:]
+    finally:
+        for key in set(os.environ) - before:
+            del os.environ[key]
     out = capsys.readouterr().out
     assert out
     return out
+
+
+def _track(monkeypatch, cls, made: list) -> None:
+    """Records every ``cls`` the example creates (to shut it down when it is done)."""
+    init = cls.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(cls, "__init__", tracked)
 
 
 @pytest.mark.slow
@@ -94,7 +114,18 @@ def _run_here(name, tmp_path, monkeypatch, capsys) -> str:
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("name", IN_RAY_SESSION)
 def test_ray_example_runs_in_the_sessions_cluster(name, tmp_path, monkeypatch, capsys):
-    assert "vs one process" in _run_here(name, tmp_path, monkeypatch, capsys)
+    """A script ported from TensorFlow leaves its coordinator and servers running, as its
+    original does (they end with the process); here they end with the test."""
+    import parallax as px
+
+    made: list = []
+    _track(monkeypatch, px.tf.ParameterServerStrategy, made)
+    _track(monkeypatch, px.tf.ClusterCoordinator, made)
+    try:
+        assert "vs one process" in _run_here(name, tmp_path, monkeypatch, capsys)
+    finally:
+        for job in reversed(made):  # the coordinator before its strategy's servers
+            job.shutdown()
 
 
 @pytest.mark.slow

@@ -127,7 +127,8 @@ def test_server_errors_are_named():
         run(server.push(keys(1), np.ones(3, np.float32), None, 0, None, 0))
     with pytest.raises(ValueError, match=r"1 of 2 keys were never pushed .*first: 4"):
         run(server.pull(keys(1, 4), None, None, 0))
-    with pytest.raises(ValueError, match="cmd must be px.ps.UPDATE"):
+    with pytest.raises(ValueError, match=r"cmd must be px.ps.UPDATE \(0\), px.ps.ASSIGN \(1\) "
+                                         r"or px.ps.ADD \(2\)"):
         run(server.push(keys(1), np.ones(2, np.float32), None, 7, None, 0))
     with pytest.raises(ValueError, match="slot 0 does not exist"):
         run(server.pull(keys(1), 0, None, 0))
@@ -162,3 +163,20 @@ def test_a_never_pushed_key_reads_its_initial_optimizer_state():
     run(server.push(keys(2), np.ones(2, np.float32), None, 0, None, 0))
     first_moment, _, _ = run(server.pull(keys(2, 7), 0, None, 0, np.array([2, 2])))
     assert first_moment.tolist()[2:] == [0.0, 0.0] and first_moment[0] != 0.0
+
+
+def test_add_adds_whatever_the_handle_and_a_new_handle_keeps_the_values():
+    """``px.ps.ADD`` is TensorFlow's ``assign_add`` next to an optimizer (values += pushed,
+    the optimizer's slots untouched); ``set_handle`` swaps the handle and keeps the values
+    (an optimizer given after the variables), its slots starting fresh."""
+    server = make_server()  # sums, as PS-Lite's default handle
+    run(server.push(keys(1, 2), np.array([1, 2], np.float32), None, px.ps.ASSIGN, None, 0))
+    run(server.set_handle(px.ps.OptaxHandle(optax.sgd(0.5, momentum=0.9))))
+    values, _, _ = run(server.pull(keys(1, 2), None, None, 0))
+    trace, _, _ = run(server.pull(keys(1, 2), 0, None, 0))
+    assert values.tolist() == [1, 2] and trace.tolist() == [0, 0]
+    run(server.push(keys(1, 2), np.ones(2, np.float32), None, px.ps.UPDATE, None, 0))  # sgd
+    run(server.push(keys(1, 2), np.full(2, 10, np.float32), None, px.ps.ADD, None, 0))
+    values, _, _ = run(server.pull(keys(1, 2), None, None, 0))
+    trace, _, _ = run(server.pull(keys(1, 2), 0, None, 0))
+    assert values.tolist() == [10.5, 11.5] and trace.tolist() == [1, 1]  # momentum kept

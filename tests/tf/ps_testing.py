@@ -126,3 +126,47 @@ def counted_step(counter, delay, iterator):
 
 def failing(message):
     raise ValueError(message)
+
+
+# -- what a scheduled function asks of the strategy (test_parameter_server_api.py) ---------
+
+def replica_facts(strategy):
+    """TensorFlow's answers inside a scheduled function: the contexts, run, reduce, devices."""
+    outside = px.tf.get_replica_context()  # the scheduled function: cross-replica context
+    facts = {"outside_run": outside, "scope": type(px.tf.get_strategy()).__name__,
+             "replicas": strategy.num_replicas_in_sync,
+             "worker_devices": strategy.extended.worker_devices,
+             "parameter_devices": strategy.extended.parameter_devices}
+
+    def replica_fn(x):
+        context = px.tf.get_replica_context()
+        try:
+            strategy.reduce("SUM", x, axis=None)
+            refused = ""
+        except ValueError as error:
+            refused = str(error)
+        return {"id": int(context.replica_id_in_sync_group),
+                "replicas": context.num_replicas_in_sync,
+                "all_reduce": context.all_reduce("SUM", x), "reduce_refused": refused,
+                "merged": context.merge_call(lambda s, v: s.reduce("MEAN", v, axis=0),
+                                             args=(jnp.asarray(x),))}
+
+    per_replica = strategy.run(replica_fn, args=(np.arange(4.0, dtype=np.float32),))
+    facts.update(run=per_replica,
+                 sum_none=strategy.reduce(px.tf.ReduceOp.SUM, np.float32(2.5), axis=None),
+                 mean_none=strategy.reduce("MEAN", np.arange(3.0), axis=None),
+                 sum_axis=strategy.reduce("SUM", np.arange(6.0).reshape(2, 3), axis=0),
+                 mean_axis=strategy.reduce("MEAN", np.arange(6.0).reshape(2, 3), axis=1),
+                 local=strategy.experimental_local_results(np.float32(1)))
+    return facts
+
+
+def read_and_update(variable, shard_delta):
+    """On a worker: read as TensorFlow reads a variable, assign_sub one shard."""
+    before = np.asarray(variable)
+    variable.variables[-1].assign_sub(shard_delta)
+    return before, variable.numpy(), (variable * 2).tolist()
+
+
+def next_element(iterator):
+    return next(iterator)

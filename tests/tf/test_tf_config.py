@@ -23,6 +23,12 @@ def test_tf_config_tasks_read_as_tensorflows_resolver():
         assert resolver.cluster_spec() == CLUSTER
     px.tf.Server(resolver_for("ps", 0)).join()  # returns: a Ray actor plays the task
     px.tf.Server(resolver_for("worker", 0)).join()
+    resolver = resolver_for("ps", 1)  # TensorFlow's own arguments, as its tutorial passes them
+    server = px.tf.Server(resolver.cluster_spec(), job_name=resolver.task_type,
+                          task_index=resolver.task_id, protocol=resolver.rpc_layer or "grpc",
+                          start=True)
+    assert (server.resolver.task_type, server.resolver.task_id) == ("ps", 1)
+    server.join()
 
 
 def test_tf_config_errors_are_named():
@@ -39,6 +45,11 @@ def test_tf_config_errors_are_named():
         resolver_for("chief", 0, dict(CLUSTER, trainer=["x:1"]))
     with pytest.raises(ValueError, match="px.tf.Server: this process is task chief:0"):
         px.tf.Server(resolver_for("chief", 0))
+    with pytest.raises(ValueError, match="px.tf.Server: this process is task chief:0"):
+        px.tf.Server(CLUSTER, job_name="chief", task_index=0)
+    with pytest.raises(TypeError, match=r"px.tf.Server: pass this process's "
+                                        r"px.tf.TFConfigClusterResolver, or TensorFlow's"):
+        px.tf.Server("grpc://h1:2222")
 
 
 def test_only_the_chief_creates_the_strategy():

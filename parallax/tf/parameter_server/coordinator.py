@@ -1,5 +1,8 @@
 """``ClusterCoordinator``: schedules functions on workers and survives their failures.
 
+(Over 300 lines: TensorFlow's scheduling, error and failure semantics are one state
+machine around one queue; split, each part would reach into the others' state.)
+
 One dispatcher thread per worker takes functions from a shared queue, runs each on its
 worker actor and records the result in a ``RemoteValue``. TensorFlow's guarantees are kept:
 
@@ -26,6 +29,7 @@ import jax
 import ray
 
 from parallax.ps import ServerUnavailableError
+from parallax.tf.parameter_server.replica_api import PerWorkerInput
 from parallax.tf.parameter_server.strategy import ParameterServerStrategy
 from parallax.tf.parameter_server.remote_value import (FunctionCancelledError, PerWorkerValues,
                                                        RemoteValue)
@@ -85,7 +89,8 @@ class ClusterCoordinator:
         resolver = strategy.cluster_resolver
         options = dict(_WORKER_OPTIONS, **(resolver.worker_options or {}))
         actor = ray.remote(WorkerActor).options(**options)
-        self._workers = [actor.remote(i, resolver.num_workers) for i in range(resolver.num_workers)]
+        self._workers = [actor.remote(i, resolver.num_workers, strategy)  # its worker view
+                         for i in range(resolver.num_workers)]
         self._cv = threading.Condition()
         self._queue: collections.deque[_Closure] = collections.deque()
         self._in_flight = 0
@@ -148,16 +153,35 @@ class ClusterCoordinator:
         fetchable = lambda x: isinstance(x, (RemoteValue, ShardedVariable, ServerModel))
         return jax.tree.map(one, values, is_leaf=fetchable)
 
-    def create_per_worker_dataset(self, dataset_fn: Callable) -> PerWorkerValues:
+    def create_per_worker_dataset(self, dataset_fn) -> PerWorkerValues:
         """Builds ``dataset_fn()`` (or ``dataset_fn(input_context)``) on every worker.
+
+        Args:
+          dataset_fn: a function returning the worker's dataset (any iterable, or a
+            ``tf.data.Dataset`` where TensorFlow is installed on the workers), which may
+            return ``strategy.distribute_datasets_from_function(fn)``; or, as TensorFlow
+            also accepts, a dataset itself (``strategy.experimental_distribute_dataset``'s
+            result, or an iterable that pickles: each worker iterates its own copy).
 
         Returns:
           A :class:`~parallax.tf.PerWorkerValues`; pass it (or ``iter()`` of it) to
-          scheduled functions, and each worker uses its own.
+          scheduled functions, and each worker uses its own. A ``tf.data`` dataset's
+          iterator gives numpy arrays (``as_numpy_iterator``).
         """
-        if not callable(dataset_fn):
+        if not callable(dataset_fn) and not hasattr(dataset_fn, "__iter__") and \
+                not isinstance(dataset_fn, PerWorkerInput):
             raise TypeError(f"ClusterCoordinator.create_per_worker_dataset: dataset_fn must be "
-                            f"callable, got {type(dataset_fn).__name__}.")
+                            f"callable (dataset_fn() or dataset_fn(input_context)) or a "
+                            f"dataset, got {type(dataset_fn).__name__}.")
+        if not callable(dataset_fn) and not isinstance(dataset_fn, PerWorkerInput):
+            dataset_fn = PerWorkerInput(dataset=dataset_fn)
+        try:
+            ray.cloudpickle.dumps(dataset_fn)
+        except Exception as error:  # noqa: BLE001 - e.g. a tf.data.Dataset object
+            raise TypeError(f"ClusterCoordinator.create_per_worker_dataset: the dataset does "
+                            f"not travel to the workers ({type(error).__name__}: {error}); "
+                            f"pass a function that builds it on each worker (a tf.data "
+                            f"dataset does not pickle).") from None
         dataset_id = len(self._datasets)
         with self._cv:
             self._datasets[dataset_id] = dataset_fn

@@ -1,10 +1,13 @@
 """``ShardedVariable``: a variable split along axis 0 into shards living on parameter servers.
 
-The value never exists in one place: each shard's rows are keys on one server (see
-:mod:`parallax.tf.parameter_server.key_layout`). A worker reads the whole variable
-(``read``), pushes a dense gradient (``apply_gradient``), or, for an embedding table, pulls
-only the rows a batch touches (``lookup``) and pushes only their gradients
-(``apply_sparse_gradient``); the servers' optimizer updates just those rows.
+Each shard's rows are keys on one server (:mod:`parallax.tf.parameter_server.key_layout`).
+A worker reads the whole variable (``read``, ``numpy``, ``np.asarray(v)``, an operator, as
+TensorFlow reads a variable used as a tensor; JAX functions take arrays, so
+``jnp.matmul(x, np.asarray(v))``), updates it on the servers (``assign``, ``assign_add``,
+``assign_sub``: atomic on each server, the optimizer's state untouched), pushes a dense
+gradient (``apply_gradient``: the servers' optimizer applies it), or, for an embedding
+table, pulls only the rows a batch touches (``lookup``) and pushes only their gradients
+(``apply_sparse_gradient``). ``variables`` lists the shards (TensorFlow's ``w/part_0``).
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import math
 
 import numpy as np
 
-from parallax.ps import ASSIGN, UPDATE
+import jax.numpy as jnp
+
+from parallax.ps import ADD, ASSIGN, UPDATE, HandleError
 from parallax.tf.parameter_server.key_layout import KeyLayout, Shard
+from parallax.tf.parameter_server.missing_optimizer import MissingOptimizerError
 
 
 def _bucket(count: int) -> int:
@@ -127,6 +133,24 @@ class ShardedVariable:
         return ShardedVariable(f"{self.name}/slot{slot}", self.shape, self.shards, self._store,
                                slot=slot)
 
+    @property
+    def variables(self) -> list[ShardedVariable]:
+        """The shards, each a one-shard variable (TensorFlow's ``ShardedVariable.variables``)."""
+        if len(self.shards) == 1 and self.shards[0].row_start == 0:
+            return [self]
+        return [ShardedVariable(f"{self.name}/part_{i}", (s.rows,) + self.shape[1:],
+                                (dataclasses.replace(s, row_start=0),), self._store, self.slot)
+                for i, s in enumerate(self.shards)]
+
+    @property
+    def device(self) -> str:
+        """The parameter server holding a one-shard variable, as TensorFlow names it."""
+        if len(self.shards) != 1:
+            raise AttributeError(f"ShardedVariable {self.name!r} has {len(self.shards)} shards "
+                                 f"on their own servers: read each shard's "
+                                 f"{self.name}.variables[i].device.")
+        return f"/job:ps/replica:0/task:{self.shards[0].server}/device:CPU:0"
+
     # -- dense -----------------------------------------------------------------------------
 
     def read(self) -> np.ndarray:
@@ -134,23 +158,36 @@ class ShardedVariable:
         client = self.client()
         return self._layout.split(client.wait(client.pull(self._layout.keys, slot=self.slot)))[0]
 
-    numpy = read
+    numpy = read_value = value = read
 
-    def assign(self, value) -> None:
+    def __iter__(self):
+        raise TypeError(f"ShardedVariable {self.name!r} is not iterable (as TensorFlow's); "
+                        f"iterate over np.asarray(variable) or variable.variables.")
+
+    def __array__(self, dtype=None, copy=None):
+        """``np.asarray(v)``: the value (TensorFlow's ``tf.convert_to_tensor(v)``)."""
+        del copy  # a pull is always a fresh array
+        return self.read() if dtype is None else self.read().astype(dtype)
+
+    def assign(self, value) -> ShardedVariable:
         """Overwrites the value (and resets the optimizer's per-element state of it)."""
-        value = np.asarray(value, np.float32)
-        if value.shape != self.shape:
-            raise ValueError(f"ShardedVariable.assign: {self.name!r} has shape {self.shape}, "
-                             f"got a value of shape {value.shape}.")
-        self._push(self._layout.join([value]), ASSIGN)
+        self._push(self._layout.join([self._checked("assign", value)]), ASSIGN)
+        return self
+
+    def assign_add(self, delta) -> ShardedVariable:
+        """Adds ``delta`` on the servers (atomic on each; the optimizer's state is kept)."""
+        self._push(self._layout.join([self._checked("assign_add", delta, "delta")]), ADD)
+        return self
+
+    def assign_sub(self, delta) -> ShardedVariable:
+        """Subtracts ``delta`` on the servers (TensorFlow's ``assign_sub``, as ``assign_add``)."""
+        self._push(self._layout.join([-self._checked("assign_sub", delta, "delta")]), ADD)
+        return self
 
     def apply_gradient(self, grad) -> None:
         """Pushes a dense gradient; the servers' optimizer updates every shard."""
-        grad = np.asarray(grad, np.float32)
-        if grad.shape != self.shape:
-            raise ValueError(f"ShardedVariable.apply_gradient: {self.name!r} has shape "
-                             f"{self.shape}, got a gradient of shape {grad.shape}.")
-        self._push(self._layout.join([grad]), UPDATE)
+        self._push(self._layout.join([self._checked("apply_gradient", grad, "gradient")]),
+                   UPDATE)
 
     # -- sparse (embedding tables) -----------------------------------------------------------
 
@@ -211,12 +248,52 @@ class ShardedVariable:
         order[sort] = np.arange(sort.size)  # id i's row is reply row order[i]
         return keys[sort], order
 
+    def _checked(self, api: str, value, what: str = "value") -> np.ndarray:
+        value = np.asarray(value, np.float32)
+        if value.shape != self.shape:
+            raise ValueError(f"ShardedVariable.{api}: {self.name!r} has shape {self.shape}, "
+                             f"got a {what} of shape {value.shape}.")
+        return value
+
     def _push(self, flat: np.ndarray, cmd: int) -> None:
         if self.slot is not None:
             raise ValueError(f"ShardedVariable: {self.name!r} is an optimizer slot, read-only.")
+        self.push_flat(self._layout.keys, flat, self._layout.lens, cmd)
+
+    def push_flat(self, keys, flat, lens, cmd: int) -> None:
+        """Pushes ``flat`` (in key order) to ``keys`` through this process's client.
+
+        Raises:
+          ValueError: a gradient reached servers that have no optimizer (the reason and
+            the fixes, instead of the servers' ``HandleError``).
+        """
         client = self.client()
-        client.wait(client.push(self._layout.keys, flat, self._layout.lens, cmd=cmd))
+        try:
+            client.wait(client.push(keys, flat, lens, cmd=cmd))
+        except HandleError as error:
+            if isinstance(error.__cause__, MissingOptimizerError):
+                raise MissingOptimizerError(f"ShardedVariable {self.name!r}: "
+                                            f"{error.__cause__}") from None
+            raise
 
     def __repr__(self) -> str:
         return (f"ShardedVariable({self.name!r}, shape={self.shape}, shards="
                 f"{[(s.rows, s.server) for s in self.shards]})")
+
+
+def _read_then(operator: str):
+    """TensorFlow's operator on a variable: read the value, then apply the array's."""
+    def apply(variable: ShardedVariable, *args):
+        return getattr(jnp.asarray(variable.read()), operator)(*args)
+    apply.__name__ = operator
+    return apply
+
+
+# TensorFlow's ShardedVariable overloads the tensor operators (reading its value); so does
+# this one (not == and !=, which keep identity: variables are dictionary keys).
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"):
+    for _operator in (f"__{_name}__", f"__r{_name}__"):
+        setattr(ShardedVariable, _operator, _read_then(_operator))
+for _operator in ("__neg__", "__pos__", "__abs__", "__getitem__", "__lt__", "__le__", "__gt__",
+                  "__ge__"):
+    setattr(ShardedVariable, _operator, _read_then(_operator))

@@ -2,8 +2,10 @@
 
 Variables live on parameter-server actors as ``ShardedVariable``s (split along axis 0 by the
 ``variable_partitioner``, shards placed round-robin over the servers); the optimizer runs on
-the servers (a :class:`parallax.ps.OptaxHandle`); workers, driven by a
-:class:`parallax.tf.ClusterCoordinator`, pull, compute with ``jax.jit`` and push. The store
+the servers (a :class:`parallax.ps.OptaxHandle`, given before or after the variables);
+workers, driven by a :class:`parallax.tf.ClusterCoordinator`, pull, compute with ``jax.jit``
+and push. A scheduled function that captures the strategy gets its worker view
+(:mod:`parallax.tf.parameter_server.replica_api`: ``run``, ``reduce``, ...). The store
 underneath is :class:`parallax.ps.KVStore` with eventual consistency: TensorFlow's
 parameter-server training is asynchronous.
 """
@@ -23,12 +25,14 @@ from parallax.ray_cluster.connect import init_cluster
 from parallax.tf.parameter_server.cluster_resolver import RayClusterResolver
 from parallax.tf.parameter_server.key_layout import Shard
 from parallax.tf.parameter_server.partitioners import shard_rows
-from parallax.tf.replica_context import cross_replica_scope, current_scope
+from parallax.tf.parameter_server.replica_api import ReplicaAPI, WorkerStrategy
 from parallax.tf.parameter_server.server_model import ServerModel
+from parallax.tf.parameter_server.missing_optimizer import MissingOptimizer
 from parallax.tf.parameter_server.sharded_variable import ShardedVariable
+from parallax.tf.replica_context import cross_replica_scope, current_scope
 
 
-class ParameterServerStrategy:
+class ParameterServerStrategy(ReplicaAPI):
     """Variables on parameter servers, functions on workers (TensorFlow 2's PS strategy).
 
     Args:
@@ -46,19 +50,21 @@ class ParameterServerStrategy:
       >>> strategy = px.tf.ParameterServerStrategy(
       ...     px.tf.RayClusterResolver(num_workers=1, num_ps=2),
       ...     variable_partitioner=px.tf.FixedShardsPartitioner(2))
-      >>> strategy.set_optimizer(optax.sgd(0.5))
       >>> v = strategy.create_variable(np.ones((4, 3)), name="w")
       >>> [(s.rows, s.server) for s in v.shards]       # shards round-robin over the servers
       [(2, 0), (2, 1)]
+      >>> strategy.set_optimizer(optax.sgd(0.5))         # before or after the variables
       >>> v.apply_gradient(np.ones((4, 3)))
       >>> float(v.read().sum())                          # 12 * (1 - 0.5)
       6.0
+      >>> strategy.num_replicas_in_sync, strategy.run(lambda x: x + 1, args=(1,))
+      (1, 2)
       >>> strategy.shutdown()
 
     References:
-      TensorFlow, ``tf.distribute.experimental.ParameterServerStrategy`` (TF 2) and its
-      partitioners; Li et al., "Scaling Distributed Machine Learning with the Parameter
-      Server", OSDI 2014.
+      TensorFlow, ``tf.distribute.experimental.ParameterServerStrategy`` (TF 2,
+      ``parameter_server_strategy_v2.py``) and its partitioners; Li et al., "Scaling
+      Distributed Machine Learning with the Parameter Server", OSDI 2014.
     """
 
     def __init__(self, cluster_resolver: RayClusterResolver | None = None,
@@ -82,7 +88,8 @@ class ParameterServerStrategy:
         self.cluster_resolver = resolver
         self.variable_partitioner = variable_partitioner
         init_cluster(resolver.address)
-        self._store = KVStore(num_servers=resolver.num_ps, consistency="eventual")
+        self._store = KVStore(num_servers=resolver.num_ps, handle=MissingOptimizer(),
+                              consistency="eventual")
         self._next_key = [r.begin for r in self._store.server_key_ranges()]
         self._next_server = 0  # round-robin placement of shards, across variables
         self._optimizer = None
@@ -101,8 +108,18 @@ class ParameterServerStrategy:
         """The key-value store of the parameter servers (:class:`parallax.ps.KVStore`)."""
         return self._store
 
+    @property
+    def _worker_devices(self) -> tuple[str, ...]:
+        gpus = (self.cluster_resolver.worker_options or {}).get("num_gpus", 0)
+        return ("/device:GPU:0",) if gpus else ("/device:CPU:0",)
+
     def set_optimizer(self, optimizer: optax.GradientTransformation) -> None:
-        """Sets the optimizer the servers apply to pushed gradients (once, before variables)."""
+        """Sets the optimizer the servers apply to pushed gradients (once per strategy).
+
+        Before or after the variables exist: their values are kept, and the optimizer's
+        per-element state (slots) starts at its initial value, as Keras creates slots at
+        the first ``apply_gradients``. :class:`parallax.tf.ServerOptimizer` calls this.
+        """
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"ParameterServerStrategy: the optimizer must be an optax "
                             f"GradientTransformation (e.g. optax.adam(1e-3)), got "
@@ -114,7 +131,7 @@ class ParameterServerStrategy:
                              "optimizer; one strategy has one optimizer (it runs where the "
                              "variables live). Pass the same optax object, or create a new "
                              "strategy.")
-        self._store.reset(handle=OptaxHandle(optimizer))
+        self._store.set_handle(OptaxHandle(optimizer))
         self._optimizer = optimizer
 
     def create_variable(self, initial_value, *, name: str | None = None,
@@ -130,10 +147,6 @@ class ParameterServerStrategy:
         Returns:
           The :class:`~parallax.tf.ShardedVariable`.
         """
-        if self._optimizer is None:
-            raise ValueError("ParameterServerStrategy.create_variable: set the servers' "
-                             "optimizer first (strategy.set_optimizer(optax.sgd(0.1)), or "
-                             "strategy.distribute_model(model, optimizer)).")
         name = f"variable_{len(self._names)}" if name is None else str(name)
         if name in self._names:
             raise ValueError(f"ParameterServerStrategy.create_variable: a variable named "
@@ -163,8 +176,8 @@ class ParameterServerStrategy:
         """Variables created inside (:func:`parallax.tf.Variable`) go to the servers.
 
         As in TensorFlow, each is split by the ``variable_partitioner`` and its shards are
-        placed round-robin over the parameter servers. Set the optimizer first
-        (:meth:`set_optimizer`): the servers run it where the variables live.
+        placed round-robin over the parameter servers. An optimizer (:meth:`set_optimizer`,
+        :class:`parallax.tf.ServerOptimizer`) runs on the servers, where the variables live.
 
         Raises:
           ValueError: inside the scope of a different strategy.
@@ -265,6 +278,6 @@ class ParameterServerStrategy:
             start += size
         return tuple(shards)
 
-    def __getstate__(self):
-        raise TypeError("ParameterServerStrategy does not travel to workers: capture the "
-                        "ServerModel or ShardedVariables a function needs instead.")
+    def __reduce__(self):
+        """A scheduled function that captures the strategy carries its worker view."""
+        return (WorkerStrategy, (self.num_workers, self.num_ps, self._worker_devices))

@@ -88,6 +88,8 @@ class Server:
     process ``TF_CONFIG`` names for that task has nothing to host: :meth:`join` returns at
     once (TensorFlow's blocks forever), and a script written for TensorFlow
     (``if task_type in ("worker", "ps"): server.join() else: <coordinator>``) runs as is.
+    It takes TensorFlow's arguments (``Server(resolver.cluster_spec(), job_name=...,
+    task_index=..., protocol=..., start=True)``) or the resolver itself.
 
     Example:
       >>> import json
@@ -100,14 +102,25 @@ class Server:
       TensorFlow, ``tf.distribute.Server`` and the parameter-server training tutorial.
     """
 
-    def __init__(self, resolver: TFConfigClusterResolver):
-        if not isinstance(resolver, TFConfigClusterResolver):
-            raise TypeError(f"px.tf.Server: pass the px.tf.TFConfigClusterResolver of this "
-                            f"process, got {type(resolver).__name__}.")
-        if resolver.task_type not in ("worker", "ps"):
-            raise ValueError(f"px.tf.Server: this process is task {resolver.task_type}:"
-                             f"{resolver.task_id}; only worker and ps tasks start a server "
-                             f"(the chief creates px.tf.ParameterServerStrategy).")
+    def __init__(self, server_or_cluster_def, job_name: str | None = None,
+                 task_index: int | None = None, protocol: str | None = None, config=None,
+                 start: bool = True):
+        del protocol, config, start
+        if isinstance(server_or_cluster_def, TFConfigClusterResolver):
+            resolver = server_or_cluster_def
+            job_name, task_index = resolver.task_type, resolver.task_id
+        elif isinstance(server_or_cluster_def, Mapping):  # TF's Server(cluster_spec, ...)
+            cluster = {job: list(tasks) for job, tasks in server_or_cluster_def.items()}
+            resolver = TFConfigClusterResolver(environ={"TF_CONFIG": json.dumps(
+                {"cluster": cluster, "task": {"type": job_name, "index": task_index}})})
+        else:
+            raise TypeError(f"px.tf.Server: pass this process's px.tf.TFConfigClusterResolver, "
+                            f"or TensorFlow's arguments (resolver.cluster_spec(), "
+                            f"job_name=, task_index=); got {type(server_or_cluster_def).__name__}.")
+        if job_name not in ("worker", "ps"):
+            raise ValueError(f"px.tf.Server: this process is task {job_name}:{task_index}; "
+                             f"only worker and ps tasks start a server (the chief creates "
+                             f"px.tf.ParameterServerStrategy).")
         self.resolver = resolver
 
     def start(self) -> None:

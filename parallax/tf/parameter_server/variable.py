@@ -10,15 +10,21 @@ creator hook): place a model's parameters with ``strategy.distribute_model``.
 
 from __future__ import annotations
 
+import numpy as np
+
 from parallax.tf.replica_context import current_scope
 
 
-def Variable(initial_value, *, name: str | None = None, shape=None):  # noqa: N802 - TF's name
+def Variable(initial_value, trainable: bool = True, *, name: str | None = None,  # noqa: N802
+             dtype=None, shape=None):
     """Creates a variable on the parameter servers of the strategy whose scope is active.
 
     Args:
       initial_value: an array, or ``initializer(shard_shape, dtype) -> array``.
+      trainable: accepted for TensorFlow's signature (JAX differentiates what a function
+        is given, not what a variable says).
       name: a unique name (default ``variable_<n>``).
+      dtype: None or float32 (what the servers store).
       shape: the full shape, required with an initializer function.
 
     Returns:
@@ -38,9 +44,16 @@ def Variable(initial_value, *, name: str | None = None, shape=None):  # noqa: N8
       TensorFlow, ``tf.Variable`` under ``ParameterServerStrategy.scope()``
       (``parameter_server_strategy_v2.py``: ``_create_variable``, round-robin placement).
     """
+    from parallax.tf.parameter_server.replica_api import WorkerStrategy
     from parallax.tf.parameter_server.strategy import ParameterServerStrategy
 
+    del trainable
     strategy = current_scope()
+    if dtype is not None and np.dtype(dtype) != np.float32:
+        raise TypeError(f"px.tf.Variable: dtype={np.dtype(dtype).name}; the parameter servers "
+                        f"store float32 values (pass dtype=None or np.float32).")
+    if isinstance(strategy, WorkerStrategy):
+        strategy.create_variable()  # raises: variables are created on the coordinator
     if not isinstance(strategy, ParameterServerStrategy):
         where = ("outside any strategy's scope" if strategy is None
                  else f"inside the scope of {type(strategy).__name__}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -10,6 +11,8 @@ import ray
 
 from parallax.tf.input.distributed import InputContext
 from parallax.tf.parameter_server.remote_value import PerWorkerValues
+from parallax.tf.parameter_server.replica_api import PerWorkerInput
+from parallax.tf.replica_context import cross_replica_scope
 
 
 class WorkerActor:
@@ -19,9 +22,14 @@ class WorkerActor:
     and its per-worker datasets and iterators, which the coordinator rebuilds after a
     restart.
 
+    A function runs in its strategy's scope (cross-replica context, as TensorFlow's
+    ``schedule`` runs it in ``strategy.scope()``), where ``strategy.run`` is one replica.
+
     Args:
       index: the worker's index.
       num_workers: how many workers the job has.
+      strategy: the strategy's worker view
+        (:class:`~parallax.tf.parameter_server.replica_api.WorkerStrategy`), or None.
 
     Example:
       >>> from parallax.tf.parameter_server.remote_value import PerWorkerIterator
@@ -34,8 +42,9 @@ class WorkerActor:
       TensorFlow, ``ClusterCoordinator``'s ``Worker`` (``cluster_coordinator.py``).
     """
 
-    def __init__(self, index: int, num_workers: int):
+    def __init__(self, index: int, num_workers: int, strategy=None):
         self.index, self.num_workers = index, num_workers
+        self._strategy = strategy
         self._functions: dict[str, object] = {}
         self._datasets: dict[int, object] = {}
         self._iterators: dict[int, object] = {}
@@ -49,8 +58,14 @@ class WorkerActor:
                                input_pipeline_id=self.index,
                                num_replicas_in_sync=self.num_workers)
         for dataset_id, dataset_fn in dataset_fns.items():
-            takes_context = len(inspect.signature(dataset_fn).parameters) > 0
-            self._datasets[dataset_id] = dataset_fn(context) if takes_context else dataset_fn()
+            if isinstance(dataset_fn, PerWorkerInput):
+                dataset = dataset_fn
+            else:
+                takes_context = len(inspect.signature(dataset_fn).parameters) > 0
+                dataset = dataset_fn(context) if takes_context else dataset_fn()
+            while isinstance(dataset, PerWorkerInput):  # distribute_datasets_from_function
+                dataset = dataset.build()
+            self._datasets[dataset_id] = dataset
             self._iterators.pop(dataset_id, None)
 
     def run(self, function, args, kwargs):
@@ -62,7 +77,10 @@ class WorkerActor:
             function = self._functions[key]
         is_placeholder = lambda x: isinstance(x, PerWorkerValues)
         args, kwargs = jax.tree.map(self._local, (args, kwargs), is_leaf=is_placeholder)
-        return jax.device_get(function(*args, **kwargs))
+        scope = (contextlib.nullcontext() if self._strategy is None
+                 else cross_replica_scope(self._strategy))
+        with scope:
+            return jax.device_get(function(*args, **kwargs))
 
     def _local(self, value):
         if not isinstance(value, PerWorkerValues):
@@ -73,5 +91,7 @@ class WorkerActor:
         if value.kind == "dataset":
             return self._datasets[value.dataset_id]
         if value.dataset_id not in self._iterators:
-            self._iterators[value.dataset_id] = iter(self._datasets[value.dataset_id])
+            dataset = self._datasets[value.dataset_id]
+            numpy = getattr(dataset, "as_numpy_iterator", None)  # tf.data: numpy elements
+            self._iterators[value.dataset_id] = numpy() if callable(numpy) else iter(dataset)
         return self._iterators[value.dataset_id]

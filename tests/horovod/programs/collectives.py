@@ -84,6 +84,13 @@ def eager_collectives():
     ints = np.arange(6, dtype=np.int32) * (RANK + 1)
     check("allreduce int32", hvd.allreduce(ints, op=hvd.Sum),
           np.arange(6) * sum(range(1, SIZE + 1)) * K, exact=True)
+    # Horovod's integer Average: the sum scaled by 1 / size into the int32 buffer, truncated
+    # toward zero (2 processes: [1, 10, -1] and [2, 21, -3] average to [1, 15, -2])
+    ints = np.array([1 + RANK, 10 + 11 * RANK, -(1 + 2 * RANK)], np.int32)
+    every = np.repeat(np.stack([[1 + r, 10 + 11 * r, -(1 + 2 * r)] for r in range(SIZE)]), K, 0)
+    averaged = hvd.allreduce(ints)
+    check("allreduce int32 average truncates", [averaged.dtype == np.int32, *averaged.tolist()],
+          [True, *np.trunc(every.sum(0) / (SIZE * K)).astype(int).tolist()], exact=True)
     check("allreduce jax array", hvd.allreduce(jnp.asarray(mine)), RANKS.mean(0))
     check("allreduce adasum", hvd.allreduce(mine, op=hvd.Adasum),
           adasum_reference.adasum(list(RANKS)), rtol=1e-5)
@@ -114,6 +121,14 @@ def eager_collectives():
         [sent[s][starts[s][RANK]:starts[s][RANK + 1]] for s in range(SIZE)]), exact=True)
     check("alltoall received splits", received, [splits[s][RANK] for s in range(SIZE)],
           exact=True)
+    try:  # Horovod's core takes 32-bit splits only: torch's (and NumPy's) int64 is refused
+        hvd.alltoall(sent[RANK], splits=np.asarray(splits[RANK], np.int64))
+        refused = ""
+    except TypeError as error:
+        refused = str(error)
+    check("alltoall int64 splits refused, int32 counts returned",
+          [refused.startswith("hvd.alltoall: splits must hold 32-bit integers"),
+           received.dtype == np.int32], [True, True], exact=True)
     check("broadcast_object", [hvd.broadcast_object({"rank": RANK}, root_rank=1)["rank"]], [1],
           exact=True)
     process_set_alltoall()
@@ -219,6 +234,16 @@ def program_collectives():
     check("program allgather", gathered, global_rows, exact=True)
     check("program broadcast", root, blocks[-1], exact=True)
 
+    @hvd.jit
+    def integer_mean(batch):  # rank r: [r + 1, 10 r + 1, -(2 r + 1)]; truncated as Horovod's
+        r = hvd.rank()
+        return hvd.allreduce(jnp.stack([r + 1, 10 * r + 1, -(2 * r + 1)]).astype(jnp.int32))
+
+    ranks = np.arange(devices)
+    every = np.stack([ranks + 1, 10 * ranks + 1, -(2 * ranks + 1)], axis=1)
+    check("program allreduce int32 average truncates", integer_mean(mine),
+          np.trunc(every.sum(0) / devices), exact=True)
+
 
 def ddp_start_from_rank_0():
     """Processes seeded differently end up with rank 0's parameters (DDP at construction)."""
@@ -257,6 +282,12 @@ def eager_optimizer():
         updates, state = tx.update(grad(w, x[rows], y[rows]), state, w)
         w = optax.apply_updates(w, updates)
     check("DistributedOptimizer eager", w, w_ref, rtol=1e-6)
+    # Horovod's torch step() after 1 of backward_passes_per_step=2 passes: that pass's sum
+    early = hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=2)
+    w = jnp.zeros((3, 1))
+    updates, _ = early.update(grad(w, x[rows], y[rows]), early.init(w), w, step=True)
+    check("DistributedOptimizer early step", optax.apply_updates(w, updates),
+          -0.1 * grad(jnp.zeros((3, 1)), x, y), rtol=1e-6)
 
 
 def program_optimizer():

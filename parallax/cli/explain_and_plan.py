@@ -1,38 +1,39 @@
-"""``parallax explain`` and ``parallax plan``: the reference GPTs, explained or planned.
+"""``parallax explain`` and ``parallax plan``: a reference model, explained or planned.
 
-``--model`` takes the reference presets (``tiny``, ``small``, ``gpt2_124m``, ``gpt2_350m``);
-``--strategy`` the demo's names (``dp``, ``fsdp``, ``zero1``-``zero3``, ``tp``, ``tp-sp``
-joined with ``+``) plus ``pp`` (``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved``) for a
-pipeline over ``--stages`` stages. Nothing is allocated: the state and the batch are
-abstract (``jax.ShapeDtypeStruct``), so ``gpt2_350m`` explains on 8 simulated CPU devices.
+``--model`` takes the reference presets (``tiny``, ``small``, ``gpt2_124m``, ``gpt2_350m``,
+``llama2_7b``, ``llama3_8b``, ``llama3_70b``, ``llama3_1b``) or sizes
+(:mod:`parallax.cli.model_choice`); ``--strategy`` the demo's names (``dp``, ``fsdp``,
+``zero1``-``zero3``, ``tp``, ``tp-sp`` joined with ``+``) plus ``pp`` (``pp-gpipe``,
+``pp-1f1b``, ``pp-interleaved``) for a pipeline over ``--stages`` stages. Nothing is
+allocated: the state and the batch are abstract (``jax.ShapeDtypeStruct``), so
+``gpt2_350m`` explains on 8 simulated CPU devices. With ``--cluster`` (``dgx-h100``,
+``dgx-a100``) and more ``--devices`` than are present, nothing is compiled either: the
+predictions price every collective inside a node and across nodes, at any device count.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
 import jax
-import jax.numpy as jnp
-import optax
-from flax import nnx
 
-from parallax.cli import presets
+from parallax.cli import model_choice, presets
 from parallax.planner import roofline
 from parallax.planner.choose import plan
 from parallax.planner.candidates import SearchSpace
 from parallax.planner.explain import explain
+from parallax.planner.topology import CLUSTERS
 from parallax.grad.gradients import value_and_grad
 from parallax.mesh import make_mesh
-from parallax.models import GPT, GPTConfig, next_token_loss, next_token_stages
-from parallax.state import TrainState
+from parallax.models import GPTConfig, next_token_loss, next_token_stages
 from parallax.step.spmd_step import train_step
 from parallax.strategies import Pipeline
 from parallax.strategy import compose
 
-MODELS = {"tiny": GPTConfig.tiny, "small": GPTConfig.small, "gpt2_124m": GPTConfig.gpt2_124m,
-          "gpt2_350m": GPTConfig.gpt2_350m}
+MODELS = model_choice.MODELS
 PIPELINES = {"pp": "1f1b", "pp-1f1b": "1f1b", "pp-gpipe": "gpipe",
              "pp-interleaved": "interleaved_1f1b"}
 
@@ -44,18 +45,11 @@ def gpt_config(name: str, dtype: str = "float32") -> GPTConfig:
       >>> gpt_config("tiny", "bfloat16").dtype
       <class 'jax.numpy.bfloat16'>
     """
-    if name not in MODELS:
-        raise ValueError(f"parallax: unknown model {name!r}; choose one of {', '.join(MODELS)}.")
-    return MODELS[name](dtype=getattr(jnp, dtype))
+    return model_choice.config(name, dtype)
 
 
-def state_fn(config: GPTConfig, learning_rate: float = 3e-4):
-    """``() -> px.TrainState`` of ``GPT(config)`` with AdamW."""
-    return lambda: TrainState.create(GPT(config, rngs=nnx.Rngs(0)), optax.adamw(learning_rate))
-
-
-def abstract_batch(config: GPTConfig, batch: int):
-    return {"tokens": jax.ShapeDtypeStruct((batch, config.max_seq_len + 1), jnp.int32)}
+state_fn = model_choice.state_fn
+abstract_batch = model_choice.abstract_batch
 
 
 def parse_strategy(name: str, devices: int, tensor: int = 2, stages: int = 2,
@@ -83,24 +77,36 @@ def parse_strategy(name: str, devices: int, tensor: int = 2, stages: int = 2,
     virtual = 2 if schedule == "interleaved_1f1b" else 1
     pipeline = Pipeline("stage", microbatches=microbatches or 2 * stage, schedule=schedule,
                         virtual_stages=virtual)
+    if not rest and stage == devices:  # a pipeline alone over every device: no data axis
+        return {"stage": stage}, pipeline, next_token_stages
     return {"stage": stage} | axes, compose(strategy, pipeline), next_token_stages
 
 
 def run_explain(args) -> int:
-    """``parallax explain``: the report of one configuration."""
-    config = gpt_config(args.model, args.dtype)
-    count = min(args.devices or jax.device_count(), jax.device_count())
-    axes, strategy, loss_fn = parse_strategy(args.strategy, count, args.tensor, args.stages,
-                                             args.microbatches)
-    mesh = make_mesh(**axes, devices=jax.devices()[: math.prod(axes.values())])
+    """``parallax explain``: the report of one configuration (predicted only with
+    ``--cluster`` and more ``--devices`` than are present)."""
+    config = model_choice.from_args(args)
+    wanted = args.devices or jax.device_count()
+    predicted = args.cluster is not None and wanted > jax.device_count()
+    count = wanted if predicted else min(wanted, jax.device_count())
+    axes, strategy, _ = parse_strategy(args.strategy, count, args.tensor, args.stages,
+                                       args.microbatches)
+    loss_fn = model_choice.stages(config) if _is_pipeline(strategy) else next_token_loss
+    state = jax.eval_shape(model_choice.state_fn(config))
+    batch = model_choice.abstract_batch(config, args.batch)
+    if predicted:
+        report = explain((axes, strategy), state, batch, config=config, chip=args.chip,
+                         cluster=args.cluster, stages=model_choice.stages(config))
+    else:
+        mesh = make_mesh(**axes, devices=jax.devices()[: math.prod(axes.values())])
 
-    @train_step(mesh, strategy)
-    def step(state, batch):
-        loss, grads = value_and_grad(loss_fn)(state.model, batch)
-        return state.apply_gradients(grads), {"loss": loss}
+        @train_step(mesh, strategy)
+        def step(state, batch):
+            loss, grads = value_and_grad(loss_fn)(state.model, batch)
+            return state.apply_gradients(grads), {"loss": loss}
 
-    report = explain(step, jax.eval_shape(state_fn(config)), abstract_batch(config, args.batch),
-                     config=config, chip=args.chip, link=args.link)
+        report = explain(step, state, batch, config=config, chip=args.chip, link=args.link,
+                         cluster=args.cluster, stages=model_choice.stages(config))
     if args.json:
         print(json.dumps(report.as_dict(), indent=1, default=str))
     elif args.plain:
@@ -110,32 +116,49 @@ def run_explain(args) -> int:
     return 0
 
 
+def _is_pipeline(strategy) -> bool:
+    return any(rule[0] == "layers" for rule in strategy.rules)
+
+
 def run_plan(args) -> int:
     """``parallax plan``: the ranked table and the chosen configuration."""
-    config = gpt_config(args.model, args.dtype)
-    space = SearchSpace(max_tensor=args.max_tensor, max_stages=args.max_stages)
-    result = plan(state_fn(config), next_token_stages, abstract_batch(config, args.batch),
+    config = model_choice.from_args(args)
+    space = None
+    if args.cluster is None or args.max_tensor != 8 or args.max_stages is not None:
+        base = (SearchSpace.for_cluster(CLUSTERS[args.cluster].devices_per_node)
+                if args.cluster else SearchSpace())
+        space = dataclasses.replace(base, max_tensor=args.max_tensor,
+                                    max_stages=args.max_stages or base.max_stages)
+    result = plan(model_choice.state_fn(config), model_choice.stages(config),
+                  model_choice.abstract_batch(config, args.batch),
                   devices=args.devices or jax.device_count(), memory_per_device=args.memory,
                   top_k=args.top, space=space, chip=args.chip, link=args.link,
-                  exhaustive=args.exhaustive)
+                  exhaustive=args.exhaustive, cluster=args.cluster)
     print(result.table(args.rows))
     print(f"\nchosen: {result.best.candidate.label}  (mesh {dict(result.mesh.shape)}, "
           f"strategy {result.strategy.name})")
+    if result.topology is not None and result.mesh.size >= result.topology.devices_per_node:
+        ici, dcn = result.hybrid_axes()
+        print(f"on {result.topology.name}: px.make_hybrid_mesh(ici={ici}, dcn={dcn})")
     return 0
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", choices=list(MODELS),
-                        help="a reference GPT preset (default tiny)")
+    model_choice.add_arguments(parser)
     parser.add_argument("--devices", type=int, default=None,
-                        help="devices (simulated CPU devices when no accelerator; default 8)")
+                        help="devices (simulated CPU devices when no accelerator; default 8); "
+                             "with --cluster, any count: more than are present are predicted "
+                             "without compiling or simulating them")
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--chip", default=None, choices=list(roofline.CHIPS),
-                        help="the roofline's device (default: the devices' own); it implies "
-                             "its link (h100 -> nvlink-h100, tpu-v5e -> tpu-v5e-ici)")
+                        help="the roofline's device (default: the devices' own, or the "
+                             "cluster's); it implies its link (h100 -> nvlink-h100)")
     parser.add_argument("--link", default=None,
                         help="a parallax.comm.cost link preset (default: the chip's own)")
+    parser.add_argument("--cluster", default=None, choices=list(CLUSTERS),
+                        help="a cluster preset: devices per node, the link inside a node and "
+                             "the network between nodes; prices each collective per level")
 
 
 def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,10 +177,12 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     parser.add_argument("--memory", type=float, default=None,
-                        help="bytes per device (default: the devices' limit; none on CPU)")
+                        help="bytes per device (default: the devices' limit, the cluster "
+                             "chip's memory with --cluster; none on CPU)")
     parser.add_argument("--top", type=int, default=4, help="candidates to compile")
     parser.add_argument("--max-tensor", type=int, default=8)
-    parser.add_argument("--max-stages", type=int, default=8)
+    parser.add_argument("--max-stages", type=int, default=None,
+                        help="the most pipeline stages (default 8; 64 with --cluster)")
     parser.add_argument("--exhaustive", action="store_true",
                         help="compile every candidate (brute force)")
     parser.add_argument("--rows", type=int, default=15, help="rows of the table to print")

@@ -56,13 +56,20 @@ def _demo(args) -> int:
     return 0 if ok else 1
 
 
+def _simulated(args) -> int:
+    """CPU devices to simulate: the devices asked for, but never more than 8 with a cluster
+    (a cluster's larger counts are predicted, not simulated)."""
+    count = args.devices or 8
+    return min(count, 8) if args.cluster else count
+
+
 def _explain(args) -> int:
-    print(f"parallax explain: {simulate_cpu_devices(args.devices or 8)}")
+    print(f"parallax explain: {simulate_cpu_devices(_simulated(args))}")
     return explain_and_plan.run_explain(args)
 
 
 def _plan(args) -> int:
-    print(f"parallax plan: {simulate_cpu_devices(args.devices or 8)}")
+    print(f"parallax plan: {simulate_cpu_devices(_simulated(args))}")
     return explain_and_plan.run_plan(args)
 
 

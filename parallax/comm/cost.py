@@ -70,6 +70,8 @@ PRESETS: dict[str, Link] = {
         "infiniband-ndr", 2e-6, 50e9,
         "bandwidth: NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand, 400 Gb/s per port -> "
         "50 GB/s; latency: assumed (~1-2 us RDMA)."),
+    "infiniband-hdr": Link("infiniband-hdr", 2e-6, 25e9, "bandwidth: NVIDIA ConnectX-6 HDR "
+                           "InfiniBand, 200 Gb/s per port -> 25 GB/s; latency: assumed."),
     "ethernet-100g": Link(
         "ethernet-100g", 10e-6, 12.5e9,
         "bandwidth: IEEE 802.3 100GbE line rate, 100 Gb/s -> 12.5 GB/s; latency: assumed "

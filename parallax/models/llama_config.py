@@ -113,6 +113,12 @@ class LlamaConfig:
                            dict(rope_theta=500000.0) | overrides)
 
     @classmethod
+    def llama3_70b(cls, **overrides: Any) -> LlamaConfig:
+        """Llama 3 70B (70.6B params): 80 layers, 64 heads (8 kv), embed 8192, mlp 28672."""
+        return cls._preset((128256, 8192, 80, 64, 8, 8192, 28672),
+                           dict(rope_theta=500000.0) | overrides)
+
+    @classmethod
     def llama3_1b(cls, **overrides: Any) -> LlamaConfig:
         """Llama 3.2 1B (1.24B params): tied embeddings, RoPE scaled by 32 to 128k context."""
         scaling = RopeScaling(factor=32.0)

@@ -11,6 +11,7 @@ from parallax.planner import choose as choose
 from parallax.planner import explain as explain
 from parallax.planner import predicted as predicted
 from parallax.planner import roofline as roofline
+from parallax.planner import topology as topology
 
 # px.planner.zero_memory and the other modules that moved into predicted/, with a warning.
 __getattr__ = _renamed_names("parallax.planner", globals())

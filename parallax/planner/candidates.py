@@ -6,6 +6,13 @@ sequence parallelism on ``tensor``, and on ``stage`` each pipeline schedule with
 micro-batch counts. A candidate that cannot run is kept with the reason (a batch that does
 not split, a head count that does not divide, a loss that is not a ``Stages``), so the
 planner's table can say why it was left out.
+
+:meth:`SearchSpace.for_cluster` is the space for many nodes: tensor parallelism up to a
+node, pipelines up to 64 stages whose micro-batches are counted by their size (Megatron's
+``--micro-batch-size``), each rematerialisation option, interleaved schedules with 2 to 4
+chunks, and micro-batches with gradient accumulation on one stage; data and ZeRO's axis
+are not mixed there (one or the other), which keeps a 3,072-device search to a few
+thousand candidates.
 """
 
 from __future__ import annotations
@@ -13,11 +20,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from parallax.pipeline import Stages, schedule
+from parallax.pipeline import Stages
+from parallax.pipeline.schedules.named import INTERLEAVED
+from parallax.planner.schedule_facts import facts
 from parallax.strategies import DataParallel, Pipeline, TensorParallel, ZeRO
 from parallax.strategy import Strategy, compose
 
 TP_NAMES = ("heads", "mlp", "vocab")
+# How a label names a rematerialisation option (the default, "except_last", is not named).
+_REMAT_LABELS = {"always": "remat", "never": "no-remat", "nothing_saveable": "remat-layers"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +43,14 @@ class SearchSpace:
       microbatches_per_stage: micro-batch counts tried, as multiples of the stage count.
       max_tensor: the largest tensor-parallel size (tensor parallelism wants fast links).
       max_stages: the largest number of pipeline stages.
+      microbatch_sizes: when given, the micro-batch counts are the rows each pipeline
+        computes over these micro-batch sizes instead (``microbatches_per_stage`` unused).
+      remat: the pipelines' rematerialisation options (``px.Pipeline(remat=...)``).
+      virtual_stages: chunks per stage tried for the interleaved schedules.
+      accumulate: also try one stage of micro-batches (gradient accumulation with the
+        pipeline's rematerialisation) on meshes without a pipeline.
+      mixed_data: try meshes with both a ``data`` and an ``fsdp`` axis (HSDP); when False,
+        the batch axes are one or the other.
     """
 
     zero_stages: tuple[int, ...] = (1, 2, 3)
@@ -40,6 +59,27 @@ class SearchSpace:
     microbatches_per_stage: tuple[int, ...] = (1, 2, 4)
     max_tensor: int = 8
     max_stages: int = 8
+    microbatch_sizes: tuple[int, ...] = ()
+    remat: tuple[str, ...] = ("except_last",)
+    virtual_stages: tuple[int, ...] = (2,)
+    accumulate: bool = False
+    mixed_data: bool = True
+
+    @classmethod
+    def for_cluster(cls, devices_per_node: int = 8, **overrides) -> SearchSpace:
+        """The space for many nodes (module docstring); ``overrides`` replace fields.
+
+        Example:
+          >>> space = SearchSpace.for_cluster(8)
+          >>> space.max_tensor, space.max_stages, space.remat, space.accumulate
+          (8, 64, ('nothing_saveable', 'except_last'), True)
+        """
+        fields = dict(zero_stages=(1, 3), sequence_parallel=(True,),
+                      schedules=("1f1b", "interleaved_1f1b"), max_tensor=devices_per_node,
+                      max_stages=64, microbatch_sizes=(1, 2, 4),
+                      remat=("nothing_saveable", "except_last"), virtual_stages=(2, 3, 4),
+                      accumulate=True, mixed_data=False)
+        return cls(**(fields | overrides))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,23 +108,41 @@ def factorizations(devices: int, space: SearchSpace) -> list[dict[str, int]]:
         for tensor in _divisors(devices // stage):
             for fsdp in _divisors(devices // stage // tensor):
                 data = devices // stage // tensor // fsdp
-                if stage <= space.max_stages and tensor <= space.max_tensor:
+                mixed = data > 1 and fsdp > 1
+                if (stage <= space.max_stages and tensor <= space.max_tensor
+                        and (space.mixed_data or not mixed)):
                     out.append({"stage": stage, "data": data, "fsdp": fsdp, "tensor": tensor})
     return out
 
 
-def _pipelines(stage: int, space: SearchSpace):
-    """``(label, strategy, micro-batches, chunks per stage)`` per schedule and count: two
-    chunks per stage for the interleaved schedules, the schedule's own default otherwise."""
-    for name, k in itertools.product(space.schedules, space.microbatches_per_stage):
-        virtual = 2 if name.startswith("interleaved") else None
-        try:
-            chunks = schedule(name, stage, stage * k, virtual).virtual_stages
-        except ValueError:  # this schedule cannot run with so few micro-batches
-            continue
-        yield (f"pp:{name}:m{stage * k}", Pipeline("stage", microbatches=stage * k,
-                                                   schedule=name, virtual_stages=virtual),
-               stage * k, chunks)
+def _counts(stage: int, rows: int, space: SearchSpace) -> list[int]:
+    """Micro-batch counts: by micro-batch size over the pipeline's ``rows``, or as
+    multiples of the stages."""
+    if space.microbatch_sizes:
+        return sorted({rows // size for size in space.microbatch_sizes
+                       if size <= rows and rows % size == 0})
+    return [stage * k for k in space.microbatches_per_stage]
+
+
+def _pipelines(stage: int, rows: int, layers: int | None, space: SearchSpace):
+    """``(label, strategy, micro-batches, chunks per stage)`` per schedule, count, chunk
+    count and rematerialisation option. The label names the chunks when not 2 and the
+    option when not the default (``"except_last"``); one stage is gradient accumulation."""
+    names = space.schedules if stage > 1 else ("1f1b",)
+    for name, micro, remat in itertools.product(names, _counts(stage, rows, space),
+                                                space.remat):
+        for virtual in (space.virtual_stages if name in INTERLEAVED else (None,)):
+            if virtual and layers is not None and layers % (stage * virtual):
+                continue
+            try:
+                chunks = facts(name, stage, micro, virtual).virtual_stages
+            except ValueError:  # this schedule cannot run with these micro-batches
+                continue
+            label = (f"pp:{name}:m{micro}" if stage > 1 else f"accumulate:m{micro}") + (
+                f":v{chunks}" if virtual and chunks != 2 else "") + (
+                f":{_REMAT_LABELS.get(remat, remat)}" if remat != "except_last" else "")
+            yield (label, Pipeline("stage", microbatches=micro, schedule=name,
+                                   virtual_stages=virtual, remat=remat), micro, chunks)
 
 
 def enumerate_candidates(devices: int, loss_fn, rows: int, *, tensor_names: bool,
@@ -123,7 +181,12 @@ def enumerate_candidates(devices: int, loss_fn, rows: int, *, tensor_names: bool
             (None, None)]
         tps = [("tp-sp" if sp else "tp", TensorParallel("tensor", sequence_parallel=sp))
                for sp in space.sequence_parallel] if tensor > 1 else [(None, None)]
-        pps = list(_pipelines(stage, space)) if stage > 1 else [(None, None, 1, 1)]
+        per_pipeline = rows // (data * fsdp) if rows % (data * fsdp) == 0 else 0
+        pps = list(_pipelines(stage, per_pipeline, layers, space)) if stage > 1 else []
+        if stage == 1 and space.accumulate and isinstance(loss_fn, Stages) and per_pipeline:
+            pps = [(None, None, 1, 1)] + [p for p in _pipelines(1, per_pipeline, layers, space)
+                                          if p[2] > 1]
+        pps = pps if stage > 1 else pps or [(None, None, 1, 1)]
         for (zl, zs), (tl, ts), (pl, ps, micro, v) in itertools.product(zeros, tps, pps):
             parts = ([("dp", DataParallel("data"))] if data > 1 or devices == 1 else [])
             parts += [(zl, zs), (tl, ts), (pl, ps)]
@@ -133,7 +196,8 @@ def enumerate_candidates(devices: int, loss_fn, rows: int, *, tensor_names: bool
                 label for label, _ in parts)
             invalid = _invalid(rows, data * fsdp, micro, stage, v, tensor, loss_fn,
                                tensor_names, layers, heads, seq_len, tl)
-            out.append(Candidate(shown, compose(*(s for _, s in parts)), label, invalid))
+            mesh_axes = shown | ({"stage": 1} if ps is not None and stage == 1 else {})
+            out.append(Candidate(mesh_axes, compose(*(s for _, s in parts)), label, invalid))
     return out
 
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
+from tqdm.auto import tqdm
 
 from parallax import rules
 from parallax.analysis import hlo, program
@@ -41,10 +42,13 @@ from parallax.planner import roofline
 from parallax.planner.predicted import compute as pc
 from parallax.planner.predicted import memory as pm
 from parallax.planner.predicted import pipeline as pp
+from parallax.planner.predicted import step_time
 from parallax.planner.predicted import traffic as pt
 from parallax.planner.candidates import TP_NAMES, SearchSpace, enumerate_candidates
 from parallax.planner.plan_result import Evaluation, Plan, table
-from parallax.planner.setting import StepSetting, model_config, read_setting
+from parallax.planner.setting import StepSetting, model_config, read_setting, reread
+from parallax.planner.topology import Topology
+from parallax.planner.topology import cluster as find_cluster
 from parallax.comm import cost
 from parallax.grad.gradients import value_and_grad
 from parallax.pipeline.stages import Stages
@@ -81,7 +85,7 @@ def _plain_flops(state: TrainState, loss_fn, batch) -> float:
 
 
 def _predict(e: Evaluation, s: StepSetting, generic: dict, device, link,
-             slots: pp.LayerSlots | None = None) -> None:
+             slots: pp.LayerSlots | None = None, topology: Topology | None = None) -> None:
     state = pm.state_bytes(s)
     args = sum(state[k].value for k in ("parameters", "optimizer state", "other state"))
     args += s.batch_bytes / s.size(s.batch_axes)
@@ -102,12 +106,17 @@ def _predict(e: Evaluation, s: StepSetting, generic: dict, device, link,
     bubble = pc.bubble(s).value if s.pipeline else 0.0
     dtype = jnp.dtype(s.config.dtype).name if s.config else "float32"
     e.predicted_hbm = pc.hbm_bytes(s, act).value
+    if topology is not None:
+        e.split = step_time.estimate(s, topology, device, flops=flops,
+                                     activations=act if act is not None else None)
+        e.predicted_time = e.split.total
+        return
     e.predicted_time = roofline.step_time(flops, e.predicted_hbm, traffic, device, link,
                                           dtype=dtype, bubble=bubble).total
 
 
 def _compile(e: Evaluation, abstract, loss_fn, batch, devices, device, link, budget,
-             setting: StepSetting):
+             setting: StepSetting, topology: Topology | None = None):
     mesh = make_mesh(**e.candidate.axes, devices=devices[: math.prod(e.candidate.axes.values())])
 
     @train_step(mesh, e.candidate.strategy)
@@ -128,9 +137,17 @@ def _compile(e: Evaluation, abstract, loss_fn, batch, devices, device, link, bud
     bubble = pc.bubble(setting).value if setting.pipeline else 0.0
     dtype = jnp.dtype(setting.config.dtype).name if setting.config else "float32"
     accessed = float((compiled.cost_analysis() or {}).get("bytes accessed", 0.0))
-    e.compiled_time = roofline.step_time(
-        program.matmul_flops(text, branches), max(accessed, e.predicted_hbm), traffic, device,
-        link, dtype=dtype, bubble=bubble).total
+    if topology is not None:  # the compiled flops and collectives, priced per level
+        found = [(k, a, size, max(int(round(n)), 1)) for (k, a), (n, size)
+                 in program.collective_totals(text, mesh, branches).items() if a]
+        flops = program.matmul_flops(text, branches)
+        model = pc.flops(setting, recomputed=False)
+        e.compiled_time = step_time.price(setting, topology, device, flops, found,
+                                          model.value if model else flops).total
+    else:
+        e.compiled_time = roofline.step_time(
+            program.matmul_flops(text, branches), max(accessed, e.predicted_hbm), traffic,
+            device, link, dtype=dtype, bubble=bubble).total
     e.fits = budget is None or e.compiled_peak <= budget
     e.note = "fits" if e.fits else "does not fit (compiled)"
     return mesh, step
@@ -169,7 +186,7 @@ def plan(state_fn: Callable[[], TrainState], loss_fn: Callable, batch, *,
          memory_per_device: float | None = None, top_k: int = 4,
          space: SearchSpace | None = None, chip: roofline.Chip | str | None = None,
          link: cost.Link | str | None = None, measure_steps: int = 0,
-         exhaustive: bool = False) -> Plan:
+         exhaustive: bool = False, cluster: Topology | str | None = None) -> Plan:
     """Proposes ``(mesh, strategy)`` for a model, a loss and a batch.
 
     Args:
@@ -178,19 +195,25 @@ def plan(state_fn: Callable[[], TrainState], loss_fn: Callable, batch, *,
         pipelines.
       batch: the global batch (arrays or ``jax.ShapeDtypeStruct`` leaves).
       devices: a device count (the first ones of ``jax.devices()``) or the devices; all by
-        default. With more than are present, candidates are ranked by the cost model only.
+        default. With more than are present, candidates are ranked by the cost model only:
+        nothing is compiled and no device is simulated, so any count works (16 to 16,384).
       memory_per_device: bytes each device may use; default the devices' own limit
-        (``memory_stats()``), none on CPU.
+        (``memory_stats()``), none on CPU, the cluster chip's memory with ``cluster``.
       top_k: candidates compiled (more when none of them fits); also how many of those
         predicted not to fit are compiled before being rejected (the best predicted); the
         others' verdict says ``"rejected: predicted only"``.
-      space: a :class:`parallax.planner.candidates.SearchSpace` (what may be chosen).
+      space: a :class:`parallax.planner.candidates.SearchSpace` (what may be chosen;
+        ``SearchSpace.for_cluster`` with ``cluster``).
       chip, link: the roofline's device and link (default: the devices' own chip; a chip
         implies its link, ``"h100"`` -> ``"nvlink-h100"``, unless ``link`` is given).
       measure_steps: also run each compiled candidate this many steps, alternating, and
         rank by the median (needs the devices present).
       exhaustive: compile every valid candidate (brute force: what the cost model's pruning
         is validated against); no verdict then rests on a prediction.
+      cluster: a :class:`parallax.planner.topology.Topology` or preset name
+        (``"dgx-h100"``, ``"dgx-a100"``): its chip, and every collective priced per level
+        (inside a node, across nodes; :mod:`parallax.planner.predicted.step_time`); each
+        evaluation then has its time split (``Evaluation.split``) and MFU.
 
     Returns:
       A :class:`Plan`: ``mesh, strategy = plan``; ``plan.table()`` explains the choice.
@@ -222,18 +245,25 @@ def plan(state_fn: Callable[[], TrainState], loss_fn: Callable, batch, *,
                         f"train step around it), got {type(abstract).__name__}; wrap the "
                         "model: lambda: px.TrainState.create(model, optimizer).")
     concrete, batch = batch, _abstract(batch)
-    backend = devices[0].platform
-    device = roofline.chip(chip) if chip else roofline.chip_for(devices[0])
-    link = roofline.link_for(device, link, backend)
-    if memory_per_device is None and backend != "cpu":
+    topology = find_cluster(cluster) if cluster is not None else None
+    backend = devices[0].platform if count <= len(present) or topology is None else "gpu"
+    device = (roofline.chip(chip) if chip else roofline.chip(topology.chip) if topology
+              else roofline.chip_for(devices[0]))
+    link = roofline.link_for(device, link if link or not topology else topology.intra, backend)
+    if memory_per_device is None and topology is not None:
+        memory_per_device = device.memory_bytes
+    elif memory_per_device is None and backend != "cpu":
         memory_per_device = (devices[0].memory_stats() or {}).get("bytes_limit")
-    evaluations, settings = _predicted(abstract, loss_fn, batch, count, space or SearchSpace(),
-                                       backend, device, link)
+    if space is None:
+        space = (SearchSpace.for_cluster(topology.devices_per_node) if topology
+                 else SearchSpace())
+    evaluations, settings = _predicted(abstract, loss_fn, batch, count, space, backend,
+                                       device, link, topology)
     ranked = sorted((e for e in evaluations if e.fits is None), key=lambda e: e.predicted_time)
     compiled = count <= len(present)
     if compiled:
         built = _compile_top(ranked, settings, abstract, loss_fn, batch, devices, device, link,
-                             memory_per_device, top_k, exhaustive)
+                             memory_per_device, top_k, exhaustive, topology)
         if measure_steps and built:
             _measure(built, state_fn, concrete, measure_steps)
     for e in ranked:
@@ -242,11 +272,20 @@ def plan(state_fn: Callable[[], TrainState], loss_fn: Callable, batch, *,
             e.fits, e.note = False, "rejected: predicted only"
         elif e.fits is None:
             e.note = "not compiled" if compiled else "ranked by the cost model only"
-    priced = f"times priced for chip {device.name}, link {link.name}"
-    return _choose(evaluations, count, devices, compiled, memory_per_device, priced)
+    priced = (f"times priced for chip {device.name} on cluster {topology.name} "
+              f"({topology.devices_per_node} per node: {topology.intra.name}, "
+              f"{topology.network.name})" if topology
+              else f"times priced for chip {device.name}, link {link.name}")
+    return _choose(evaluations, count, devices, compiled, memory_per_device, priced, topology)
 
 
-def _predicted(abstract, loss_fn, batch, count, space, backend, device, link):
+def _layout_key(axes: dict, strategy) -> tuple:
+    """What a setting's leaves depend on: the mesh and the strategy's rules and ZeRO."""
+    return (tuple(sorted(axes.items())), strategy.rules, strategy.shard_axis,
+            strategy.zero_stage)
+
+
+def _predicted(abstract, loss_fn, batch, count, space, backend, device, link, topology=None):
     """Every candidate with its prediction (or why it cannot run), and their settings."""
     config = model_config(abstract)
     names = {n for leaf in rules.annotated_leaves(abstract.params) for n in (leaf.names or ())}
@@ -258,21 +297,27 @@ def _predicted(abstract, loss_fn, batch, count, space, backend, device, link):
         space=space)
     generic = {} if config else {"residuals": _residual_bytes(abstract, loss_fn, batch),
                                  "flops": _plain_flops(abstract, loss_fn, batch)}
-    evaluations, settings, traced = [], {}, {}
-    for cand in found:
+    evaluations, settings, traced, layouts = [], {}, {}, {}
+    for cand in tqdm(found, desc=API, unit="candidate", leave=False,
+                     disable=len(found) < 500):
         e = Evaluation(cand)
         evaluations.append(e)
         if cand.invalid:
             e.fits, e.note = False, cand.invalid
             continue
+        key = _layout_key(cand.axes, cand.strategy)
         try:
-            settings[id(e)] = read_setting(_abstract_mesh(cand.axes), cand.strategy, abstract,
-                                           batch, config, API, backend=backend)
+            if key in layouts:  # the same leaves: only the strategy's pipeline differs
+                settings[id(e)] = reread(layouts[key], cand.strategy)
+            else:
+                settings[id(e)] = layouts[key] = read_setting(
+                    _abstract_mesh(cand.axes), cand.strategy, abstract, batch, config, API,
+                    backend=backend)
         except ValueError as error:  # the layout refuses it (an axis that does not divide)
             e.fits, e.note = False, str(error).splitlines()[0][:90]
             continue
         _predict(e, settings[id(e)], generic, device, link,
-                 _slots(settings[id(e)], abstract, batch, loss_fn, traced))
+                 _slots(settings[id(e)], abstract, batch, loss_fn, traced), topology)
     return evaluations, settings
 
 
@@ -295,7 +340,7 @@ def _family(e: Evaluation) -> str:
 
 
 def _compile_top(ranked, settings, abstract, loss_fn, batch, devices, device, link, budget,
-                 top_k, exhaustive) -> dict:
+                 top_k, exhaustive, topology=None) -> dict:
     """Compiles the best-predicted candidates (every one when ``exhaustive``) until ``top_k``
     of them are compiled and one fits (at most ``3 top_k``), then the ``top_k`` best of
     those it would reject for memory on the prediction alone (a prediction is checked
@@ -316,12 +361,12 @@ def _compile_top(ranked, settings, abstract, loss_fn, batch, devices, device, li
                 rejected.append(e)
                 continue
         built[e] = _compile(e, abstract, loss_fn, batch, devices, device, link, budget,
-                            settings[id(e)])
+                            settings[id(e)], topology)
         if e.compiled_peak and e.predicted_peak:
             calibration.setdefault(_family(e), []).append(e.compiled_peak / e.predicted_peak)
     for e in sorted(rejected, key=lambda x: x.predicted_time)[:top_k]:
         built[e] = _compile(e, abstract, loss_fn, batch, devices, device, link, budget,
-                            settings[id(e)])
+                            settings[id(e)], topology)
         if e.fits:
             e.note = "fits (predicted not to)"
         elif e.compiled_peak is not None:
@@ -329,7 +374,8 @@ def _compile_top(ranked, settings, abstract, loss_fn, batch, devices, device, li
     return {e: made for e, made in built.items() if made is not None and e.fits}
 
 
-def _choose(evaluations, count, devices, compiled, budget, priced: str) -> Plan:
+def _choose(evaluations, count, devices, compiled, budget, priced: str,
+            topology: Topology | None = None) -> Plan:
     """The best usable evaluation as a :class:`Plan`, or the error with the table."""
     usable = [e for e in evaluations if e.fits or (e.fits is None and not compiled)]
     if not usable:
@@ -341,12 +387,14 @@ def _choose(evaluations, count, devices, compiled, budget, priced: str) -> Plan:
         raise ValueError(f"{API}: no configuration of {count} devices {why}. The candidates, "
                          "smallest peak first:\n" + table(order, budget, 8, priced))
     best = min(usable, key=lambda e: (e.time, e.candidate.label))
-    order = sorted(evaluations, key=lambda e: (e is not best, not e.fits, e.time))
+    # The winner, then what could run (compiled to fit, or ranked by the cost model
+    # alone), then what cannot; each by its best time.
+    order = sorted(evaluations, key=lambda e: (e is not best, e.fits is False, e.time))
     best.note = "chosen" + (f" ({best.note})" if best.note and best.note != "fits" else "")
     axes = best.candidate.axes
     mesh = (make_mesh(**axes, devices=devices[: math.prod(axes.values())]) if compiled
             else _abstract_mesh(axes))
-    return Plan(mesh, best.candidate.strategy, order, budget, priced)
+    return Plan(mesh, best.candidate.strategy, order, budget, priced, topology)
 
 
 def _abstract_mesh(axes: dict) -> AbstractMesh:

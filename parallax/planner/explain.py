@@ -9,6 +9,9 @@ step time is a roofline (:mod:`parallax.planner.roofline`) with the links of
 ``parallax.comm.cost``. Each row shows both values and their ratio, and is flagged when they
 differ by more than 10%, with the reason when it is known. See ``docs/explain.md``.
 
+Given ``(mesh, strategy)`` instead of a step, it predicts without compiling
+(:mod:`parallax.planner.explain_predicted`), at any device count.
+
 (Over 300 lines: one report, whose three groups of rows (memory, collectives, time) read the
 same setting and compiled program and share its reasons; each group is one function here,
 the formulas they print are :mod:`parallax.planner.predicted`'s.)
@@ -29,12 +32,15 @@ from parallax.planner.predicted import expert_parallel as pe
 from parallax.planner.predicted import memory as pm
 from parallax.planner.predicted import pipeline as pp
 from parallax.planner.predicted import traffic as pt
+from parallax.planner.explain_predicted import explain_predicted, split_rows
+from parallax.planner.predicted import step_time
 from parallax.planner.report import Report, Row
+from parallax.planner.topology import Topology
+from parallax.planner.topology import cluster as find_cluster
 from parallax.planner.setting import StepSetting, read_setting
 from parallax.comm import cost
 from parallax.mesh import describe
 from parallax.models.gpt_config import GPTConfig
-from parallax.models.gpt_pipeline import next_token_stages
 from parallax.pipeline.stages import Stages
 from parallax.step.spmd_step import TrainStep
 
@@ -66,6 +72,13 @@ REASONS = {
     "ring flops": "ring attention computes (n+1)/2n of the T x T scores (causal zigzag "
                   "blocks) and its backward recomputes the scores (7 attention matmuls to "
                   "the formula's 6)",
+    "cpu bf16": "the CPU compiler sends bfloat16 as float32 (the program as lowered sends "
+                "bfloat16; XLA's CPU float normalisation widens it): the prediction is the "
+                "target chip's, which sends bfloat16",
+    "cpu bf16 rings": "jax 0.10's CPU compiler writes into a bfloat16 ring (the pipeline's "
+                      "stash and inputs) in float32: each write converts the whole ring to a "
+                      "float32 temporary and back; the prediction is the target chip's, "
+                      "which writes bfloat16 in place",
     "step time": "a roofline is a lower bound: kernels reach a fraction of peak (the MFU), "
                  "dispatch and synchronisation add time; on simulated CPU devices 8 devices "
                  "share the host's cores",
@@ -101,18 +114,6 @@ def _context_own(found, counts, s: StepSetting) -> dict:
             entry[0] += runs
             entry[1] += runs * c.message_bytes
     return {k: tuple(v) for k, v in own.items()}
-
-
-def _pipeline_temporaries(s: StepSetting, state, batch, stages):
-    """The pipeline runtime's temporaries (:mod:`parallax.planner.predicted.pipeline`), when the
-    step pipelines a model whose ``Stages`` are known (given, or the GPT's); else None."""
-    if s.pipeline is None:
-        return None
-    if stages is None and s.config is not None:
-        stages = next_token_stages
-    if not isinstance(stages, Stages):
-        return None
-    return pp.temporaries(s, pp.layer_slots(s, state, batch, stages))
 
 
 def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
@@ -153,17 +154,29 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
     act = pm.activation_bytes(s)
     if act is not None:
         rows.append(Row(MEMORY, "activations", act.value, None, how=act.how))
-    temps, piped = pm.temporary_bytes(s), _pipeline_temporaries(s, state, batch, stages)
+    temps, piped = pm.temporary_bytes(s), pp.stage_temporaries(s, state, batch, stages)
     if piped is not None:
         temps, parts = piped
         rows.append(Row(MEMORY, "pipeline buffers", sum(parts.values()), None,
                         how=", ".join(f"{k} {v / 1e6:.3g} MB" for k, v in parts.items() if v)))
     why = REASONS["temporaries"] + ("; " + REASONS["pipeline buffers"] if s.pipeline else "")
+    if s.pipeline and _bf16_on_cpu(s) and jax.__version_info__ < (0, 12):
+        why += "; " + REASONS["cpu bf16 rings"]
     rows.append(Row(MEMORY, "temporaries", temps.value if temps else None, mem.temp_bytes,
                     how=temps.how if temps else "memory_analysis", reason=why))
     rows.append(Row(MEMORY, "peak", args + temps.value if temps else None, mem.peak_bytes,
                     how="arguments + temporaries", reason=REASONS["peak"]))
     return rows
+
+
+def _bf16_on_cpu(s: StepSetting) -> bool:
+    return (s.backend == "cpu" and s.config is not None
+            and jnp.dtype(s.config.dtype) == jnp.bfloat16)
+
+
+def _widened_on_cpu(s: StepSetting, predicted: float, measured: float) -> bool:
+    """Whether a bfloat16 step's collective measured twice its prediction on the CPU."""
+    return _bf16_on_cpu(s) and abs(measured / max(predicted, 1.0) - 2) < 0.05
 
 
 def _axes_text(axes) -> str:
@@ -193,6 +206,8 @@ def _traffic_rows(s: StepSetting, measured: dict, context_own: dict | None = Non
             reason = "style='gspmd': XLA's partitioner schedules these (per-layer gathers)"
         if s.context_axis and axes == (s.context_axis,):
             reason = REASONS["context gradients" if kind == "all-reduce" else "context gspmd"]
+        if p and m and _widened_on_cpu(s, p.message_bytes, m[1]):
+            reason = REASONS["cpu bf16"]
         rows.append(Row(TRAFFIC, f"{kind} over {_axes_text(axes)}",
                         p.message_bytes if p else None, m[1] if m else None,
                         how="; ".join(p.how) if p else "compiled program", reason=reason))
@@ -227,11 +242,16 @@ def _time(step: TrainStep, state, batch, steps: int) -> float | None:
 
 def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
             chip: roofline.Chip | str | None = None, link: cost.Link | str | None = None,
-            timing_steps: int = 0, stages: Stages | None = None) -> Report:
+            timing_steps: int = 0, stages: Stages | None = None, devices: int | None = None,
+            cluster: Topology | str | None = None) -> Report:
     """Predicted next to measured memory, collectives, flops, bubble and time of a step.
 
     Args:
-      step: a ``px.train_step``-decorated step.
+      step: a ``px.train_step``-decorated step; or, to predict without compiling at any
+        device count, ``(mesh, strategy)`` with the mesh as axis sizes (``{"stage": 8,
+        "data": 8, "tensor": 8}``; one may be ``-1`` with ``devices``), a
+        ``jax.sharding.AbstractMesh`` or a ``Mesh``, or a ``px.plan`` result
+        (:mod:`parallax.planner.explain_predicted`: the measured column stays empty).
       state: its state (arrays, or ``jax.ShapeDtypeStruct`` leaves: nothing is allocated).
       batch: a batch (arrays or ``jax.ShapeDtypeStruct`` leaves).
       config: the ``GPTConfig`` (read from a ``px.models.GPT`` state when omitted); the
@@ -244,6 +264,11 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
         median time (0: do not run; an abstract state is never run).
       stages: the pipelined loss (a ``px.pipeline.Stages``), whose layer template sizes the
         pipeline runtime's rings (default: the GPT's ``next_token_stages`` for a GPT).
+      devices: the device count of a predicted ``(mesh, strategy)`` (fills a ``-1`` axis).
+      cluster: a :class:`parallax.planner.topology.Topology` or preset name
+        (``"dgx-h100"``, ``"dgx-a100"``): adds the step's time split on it (matmuls,
+        memory-bound work, bubble, communication inside and across nodes) and its MFU, and
+        says where each collective runs.
 
     Returns:
       A :class:`parallax.planner.report.Report`: ``print(report)`` for text,
@@ -272,10 +297,14 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
       Rajbhandari et al., "ZeRO", SC 2020; Shoeybi et al., "Megatron-LM", 2019; Narayanan
       et al., SC 2021; Williams et al., "Roofline", CACM 2009.
     """
+    if isinstance(step, tuple):
+        return explain_predicted(step, state, batch, devices=devices, cluster_name=cluster,
+                                 chip=chip, link=link, config=config, stages=stages)
     if not isinstance(step, TrainStep):
         raise TypeError(f"{API}: step must be a px.train_step-decorated function (a "
                         f"px.TrainStep), got {type(step).__name__}; decorate it with "
-                        "@px.train_step(mesh, strategy).")
+                        "@px.train_step(mesh, strategy), or pass (mesh, strategy) to predict "
+                        "without compiling.")
     mesh, strategy = step.mesh, step.strategy
     setting = read_setting(mesh, strategy, state, batch, config, API)
     compiled = step.lower(state, batch).compile()
@@ -313,6 +342,11 @@ def explain(step: TrainStep, state, batch, *, config: GPTConfig | None = None,
     note = pe.replicated_note(setting, mesh.size)
     if note:
         facts["note"] = note
+    if cluster is not None:  # the same step on a cluster's nodes: its time split
+        topology = find_cluster(cluster)
+        split = step_time.estimate(setting, topology, chip)
+        rows += split_rows(split, topology, setting)
+        facts["cluster"] = f"{topology.name}: {topology.describe(dict(mesh.shape))}"
     return Report(f"px.explain: {getattr(step.fn, '__name__', 'step')}", rows, facts)
 
 

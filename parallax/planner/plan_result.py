@@ -30,6 +30,7 @@ class Evaluation:
     predicted_args: float = 0.0
     predicted_temps: float = 0.0
     predicted_hbm: float = 0.0
+    split: object = None  # the predicted StepSplit on a cluster (predicted/step_time.py)
 
     @property
     def time(self) -> float:
@@ -49,10 +50,19 @@ class Plan(tuple):
     """
 
     def __new__(cls, mesh, strategy, evaluations: list[Evaluation], budget: float | None,
-                priced: str = ""):
+                priced: str = "", topology=None):
         self = super().__new__(cls, (mesh, strategy))
         self.evaluations, self.budget, self.priced = evaluations, budget, priced
+        self.topology = topology
         return self
+
+    def hybrid_axes(self) -> tuple[dict, dict]:
+        """``(ici, dcn)`` of the chosen mesh on the plan's cluster, for
+        ``px.make_hybrid_mesh(ici, dcn)`` on the real machines (needs ``cluster=``)."""
+        if self.topology is None:
+            raise ValueError("Plan.hybrid_axes: this plan has no cluster; call px.plan(..., "
+                             "cluster='dgx-h100') (or another preset) to lay it out on nodes.")
+        return self.topology.hybrid_axes(dict(self.mesh.shape))
 
     @property
     def mesh(self):
@@ -87,6 +97,13 @@ def table(evaluations: Sequence[Evaluation], budget: float | None, limit: int = 
     rows = [[str(i + 1), e.candidate.label, mb(e.predicted_peak), mb(e.compiled_peak),
              ratio(e), ms(e.predicted_time), ms(e.compiled_time), ms(e.measured_time), e.note]
             for i, e in enumerate(evaluations[:limit])]
+    if any(e.split is not None for e in evaluations[:limit]):  # on a cluster: MFU, split
+        head[-1:-1] = ["MFU", "comm intra/inter ms", "bubble ms"]
+        for row, e in zip(rows, evaluations):
+            sp = e.split
+            row[-1:-1] = (["-", "-", "-"] if sp is None else [
+                f"{100 * sp.mfu:.1f}%", f"{ms(sp.communication['intra-node'])}/"
+                f"{ms(sp.communication['inter-node'])}", ms(sp.bubble)])
     width = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
     shown = "none" if budget is None else f"{budget / 1e6:.2f} MB"
     lines = [f"px.plan: {len(evaluations)} candidates, memory per device {shown}"]

@@ -26,6 +26,11 @@ from collections.abc import Iterable
 from parallax.comm import cost
 
 _H100 = {"bfloat16": 989.4e12, "float16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}
+# Maximum achievable matmul FLOPS (bf16, the best of a sweep of large shapes, torch + cuBLAS):
+# S. Bekman, "Machine Learning Engineering", compute/accelerator, "Maximum Achievable Matmul
+# FLOPS comparison table" (mamf-finder.py): A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of
+# 989. Measured on single GPUs, independently of any training run parallax is compared with.
+_MAMF = "S. Bekman, Machine Learning Engineering, 'Maximum Achievable Matmul FLOPS' table (bf16)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,12 @@ class Chip:
       link: the ``parallax.comm.cost`` link preset its devices talk over (a chip implies
         its interconnect: NVLink for the NVIDIA parts, ICI for the TPU); ``px.plan`` and
         ``px.explain`` use it unless given a ``link``.
+      matmul_efficiency: the fraction of ``peak_flops`` a large bf16 matmul reaches on it,
+        measured once outside parallax (its source in ``efficiency_source``); 1.0 where no
+        measurement is known. Only a cluster's step-time estimate
+        (:mod:`parallax.planner.predicted.step_time`) uses it; the roofline here is a bound
+        and keeps the peak.
+      efficiency_source: where ``matmul_efficiency`` comes from.
     """
 
     name: str
@@ -50,6 +61,8 @@ class Chip:
     memory_bytes: float
     source: str = ""
     link: str = ""
+    matmul_efficiency: float = 1.0
+    efficiency_source: str = "none measured: the peak"
 
     def flops_per_second(self, dtype: str = "float32", precision: str | None = None) -> float:
         """The peak for matmuls in ``dtype`` (float32 at default precision uses ``tf32``)."""
@@ -62,14 +75,17 @@ class Chip:
 CHIPS: dict[str, Chip] = {
     "h100": Chip("h100", _H100, 3.35e12, 80e9,
                  "NVIDIA H100 SXM datasheet: dense BF16 989 TFLOP/s, TF32 495, FP32 67; "
-                 "HBM3 3.35 TB/s, 80 GB.", "nvlink-h100"),
+                 "HBM3 3.35 TB/s, 80 GB.", "nvlink-h100", 794.5 / 989.4,
+                 f"{_MAMF}: H100 SXM 794.5 TFLOP/s"),
     "h200": Chip("h200", _H100, 4.8e12, 141e9,
                  "NVIDIA H200 datasheet: the H100 SXM's compute (dense BF16 989 TFLOP/s); "
-                 "HBM3e 4.8 TB/s, 141 GB.", "nvlink-h100"),
+                 "HBM3e 4.8 TB/s, 141 GB.", "nvlink-h100", 794.5 / 989.4,
+                 f"the H100's ({_MAMF}), same compute die; the H200 itself not measured"),
     "a100": Chip("a100", {"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12,
                           "float32": 19.5e12}, 2.039e12, 80e9,
                  "NVIDIA A100 80GB SXM datasheet: dense BF16 312 TFLOP/s, TF32 156, FP32 "
-                 "19.5; HBM2e 2.0 TB/s.", "nvlink-a100"),
+                 "19.5; HBM2e 2.0 TB/s.", "nvlink-a100", 271.2 / 312,
+                 f"{_MAMF}: A100 SXM 271.2 TFLOP/s"),
     "tpu-v5e": Chip("tpu-v5e", {"bfloat16": 197e12, "float32": 197e12 / 3}, 819e9, 16e9,
                     "Google Cloud TPU v5e page: 197 TFLOP/s BF16, HBM 819 GB/s, 16 GB; float32 "
                     "assumed at a third (multi-pass bf16).", "tpu-v5e-ici"),

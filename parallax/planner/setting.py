@@ -24,28 +24,39 @@ from parallax import layout
 from parallax.analysis.program import PipelineBranches
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.llama_config import LlamaConfig
-from parallax.pipeline import Schedule, schedule
+from parallax.pipeline import Schedule
 from parallax.pipeline.producer import PipelineProducer
+from parallax.planner.schedule_facts import ScheduleFacts, facts, of_table
 from parallax.rules import LAYERS, as_tuple
 from parallax.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSetting:
-    """A ``px.Pipeline`` part: its axis, sizes, schedule and rematerialisation option."""
+    """A ``px.Pipeline`` part: its axis, sizes, schedule and rematerialisation option.
+
+    ``schedule`` holds the schedule's facts (ticks, bubble, peak in flight, ring rows:
+    :mod:`parallax.planner.schedule_facts`), read from its table or, for the
+    published schedules at sizes whose tables take seconds to build, from closed forms."""
 
     axis: str
     stages: int
     microbatches: int
     virtual_stages: int
-    schedule: Schedule
+    schedule: ScheduleFacts
     remat: str
     policy: object = None  # the checkpoint policy applied inside every layer (or None)
+    policy_name: str = ""  # its jax.checkpoint_policies name, when given by name
 
     @property
     def remat_fraction(self) -> float:
-        """Fraction of micro-batches whose forward is recomputed (torchgpipe's options)."""
+        """Fraction of micro-batches whose forward is recomputed: torchgpipe's options, and
+        ``"nothing_saveable"`` (every layer keeps only its input and recomputes its forward
+        in its backward: Megatron's full recomputation). Other policies recompute part of
+        a layer, which is not counted."""
         m = self.microbatches
+        if self.remat == "policy":
+            return 1.0 if self.policy_name == "nothing_saveable" else 0.0
         return {"always": 1.0, "except_last": (m - 1) / m}.get(self.remat, 0.0)
 
     def branches(self) -> PipelineBranches:
@@ -172,14 +183,16 @@ def _pipeline(strategy: Strategy, mesh_shape: dict) -> PipelineSetting | None:
     stages = mesh_shape.get(settings.axis, 1)
     micro = int(settings.microbatches)
     sched = settings.schedule
-    if not isinstance(sched, Schedule):
+    if isinstance(sched, Schedule):
+        sched = of_table(sched)
+    else:
         split = settings.split_backward
-        sched = schedule(sched, stages, micro, settings.virtual_stages,
-                         **({} if split is None else {"split_backward": bool(split)}))
+        sched = facts(sched, stages, micro, settings.virtual_stages,
+                      None if split is None else bool(split))
     remat = settings.remat
     mode = remat if remat in ("always", "except_last", "never") else "policy"
     return PipelineSetting(settings.axis, stages, micro, sched.virtual_stages, sched, mode,
-                           settings.policy)
+                           settings.policy, remat if isinstance(remat, str) else "")
 
 
 def model_config(state) -> GPTConfig | LlamaConfig | None:
@@ -259,3 +272,12 @@ def read_setting(mesh, strategy: Strategy, state, batch, config: GPTConfig | Non
         pipeline=pipeline,
         accumulation=accumulation,
     )
+
+
+def reread(base: StepSetting, strategy: Strategy) -> StepSetting:
+    """``base`` with another strategy that splits the state as ``base``'s does (the same
+    rules and ZeRO: only its pipeline part or micro-batches differ), without reading the
+    state's layout again (``px.plan`` compares thousands of such candidates)."""
+    pipeline = _pipeline(strategy, base.mesh_shape)
+    return dataclasses.replace(base, strategy=strategy, pipeline=pipeline,
+                               accumulation=1 if pipeline else max(int(strategy.microbatches), 1))

@@ -98,3 +98,19 @@ def test_the_rings_are_the_lowered_schedules():
     assert parts["1f1b"]["uses"] == 0 and parts["1f1b"]["inputs"] == 0
     assert parts["zb_h1"]["uses"] > 0
     assert parts["1f1b"]["stash"] == parts["zb_h1"]["stash"]
+
+
+@pytest.mark.slow
+def test_bf16_pipeline_is_predicted_for_the_target_and_the_cpu_widening_is_named():
+    """The runtime sends bfloat16 payloads (the lowered program's permutes are bf16); the CPU
+    compiler widens them to float32, so the compiled program sends twice the prediction, and
+    the report names that reason instead of flagging it as unknown."""
+    config = px.models.GPTConfig.tiny(num_layers=4, dtype=jnp.bfloat16)
+    _, report = peak_row("1f1b", 2, 4, None, "never", "", config=config, rows=8)
+    permute = report.row("collective-permute over stage")
+    assert permute.ratio == pytest.approx(2.0, rel=0.05)
+    assert "the CPU compiler sends bfloat16 as float32" in permute.reason
+    _, full = peak_row("1f1b", 2, 4, None, "never", "",
+                       config=px.models.GPTConfig.tiny(num_layers=4), rows=8)
+    assert permute.predicted == pytest.approx(full.row("collective-permute over stage")
+                                              .predicted / 2)

@@ -29,8 +29,11 @@ def _arithmetic(config):
     return param_count, flops_per_token
 
 
-def flops(s: StepSetting) -> Estimate | None:
+def flops(s: StepSetting, recomputed: bool = True) -> Estimate | None:
     """Matmul flops per device per step for a GPT or Llama (None for other models).
+
+    ``recomputed=False`` leaves out the forwards a pipeline recomputes: the model's flops,
+    which MFU divides (PaLM's definition; with them it is the hardware flops).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, parallax as px
@@ -57,7 +60,7 @@ def flops(s: StepSetting) -> Estimate | None:
         + (" + the shared expert" if c.moe.shared_mlp_dim else "") + ")"
         if getattr(c, "moe", None) is not None else "")
     p = s.pipeline
-    if p is not None and p.remat_fraction:
+    if recomputed and p is not None and p.remat_fraction:
         block = (count(dataclasses.replace(c, num_layers=2))
                  - count(dataclasses.replace(c, num_layers=1)))
         forward = (2 * block + 4 * s.seq_len * c.embed_dim) * c.num_layers * tokens

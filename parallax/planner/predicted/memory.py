@@ -96,18 +96,47 @@ def microbatch_rows(s: StepSetting) -> float:
     return s.rows_per_device / split
 
 
-def activation_bytes(s: StepSetting) -> Estimate | None:
-    """The activations a GPT step keeps for its backward pass, per device (None otherwise)."""
+@dataclasses.dataclass(frozen=True)
+class LayerActivations:
+    """Bytes one layer saves for ``rows`` examples per device (Korthikanti's terms):
+    ``rest`` (``s b h (2/σ + 2 + 4/t) + 2 s b F/t`` elements), ``scores`` (the attention
+    probabilities, ``a s² b / t``), and the loss head's ``head`` (``s b V / t`` float32
+    probabilities and its ``s b h`` input)."""
+
+    rest: float
+    scores: float
+    head: float
+
+    @property
+    def layer(self) -> float:
+        return self.rest + self.scores
+
+
+def layer_activations(s: StepSetting, rows: float | None = None) -> LayerActivations | None:
+    """:class:`LayerActivations` of a GPT or Llama for ``rows`` examples per device (a
+    micro-batch's by default); None for other models."""
     c = s.config
     if c is None or s.seq_len is None:
         return None
-    b, t, seq = microbatch_rows(s), s.tensor, s.local_seq_len
+    b = microbatch_rows(s) if rows is None else rows
+    t, seq = s.tensor, s.local_seq_len
     sigma = t if s.sequence_parallel else 1
     h, f, a = c.embed_dim, c.mlp_dim, c.num_heads
     e = jnp.dtype(c.dtype).itemsize
     rest = e * (seq * b * h * (2 / sigma + 2 + 4 / t) + 2 * seq * b * f / t)
-    per_layer = rest + e * a * seq * seq * b / t
-    head = 4 * seq * b * c.padded_vocab_size / t + e * seq * b * h
+    return LayerActivations(rest, e * a * seq * seq * b / t,
+                            4 * seq * b * c.padded_vocab_size / t + e * seq * b * h)
+
+
+def activation_bytes(s: StepSetting) -> Estimate | None:
+    """The activations a GPT step keeps for its backward pass, per device (None otherwise)."""
+    terms = layer_activations(s)
+    if terms is None:
+        return None
+    c, b, seq = s.config, microbatch_rows(s), s.local_seq_len
+    sigma = s.tensor if s.sequence_parallel else 1
+    e, h = jnp.dtype(c.dtype).itemsize, c.embed_dim
+    rest, per_layer, head = terms.rest, terms.layer, terms.head
     how = "L (s b h (2/σ + 2 + 4/t) + 2 s b F/t + a s² b/t) + s b V/t"
     if s.context_axis is not None:  # pipelines with context parallelism are refused
         return Estimate(*context_parallel.activation_bytes(s, rest, head))
@@ -115,7 +144,7 @@ def activation_bytes(s: StepSetting) -> Estimate | None:
         return Estimate(c.num_layers * per_layer + head, how)
     p = s.pipeline
     layers = c.num_layers / p.stages
-    peak = max(p.schedule.peak_in_flight(stage) for stage in range(p.stages))
+    peak = p.schedule.peak
     if p.remat_fraction > 0:
         held = peak * e * seq * b * h / sigma + layers / p.virtual_stages * per_layer
         how = f"peak {peak} inputs x s b h + one chunk's layers ({how})"

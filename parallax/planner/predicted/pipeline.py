@@ -36,8 +36,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from parallax.models.gpt_pipeline import next_token_stages
+from parallax.models.llama import llama_stages
+from parallax.models.llama_config import LlamaConfig
 from parallax.pipeline.runtime.chunk import template
-from parallax.pipeline.runtime.lowering import lower_schedule
 from parallax.pipeline.runtime.program import program
 from parallax.pipeline.stages import Stages
 from parallax.planner.predicted.memory import Estimate, local_param_bytes
@@ -118,21 +120,22 @@ def buffers(s: StepSetting, slots: LayerSlots) -> dict[str, float]:
 
     The slot counts are :func:`lower_schedule`'s for the setting's schedule and
     rematerialisation (a checkpoint policy lowers like ``"never"``; its effect is in the
-    template's stash).
+    template's stash), read through
+    :mod:`parallax.planner.schedule_facts`.
     """
     p = s.pipeline
     remat = p.remat if p.remat in ("always", "except_last", "never") else "never"
-    lowered = lower_schedule(p.schedule, remat)
+    rows = p.schedule.rows[remat]
     chunk_layers = s.config.num_layers / (p.stages * p.virtual_stages) if s.config else 1
     stacked = sum(x.nbytes / x.rule_ways * 4 / x.itemsize for x in s.leaves
                   if x.role == "param" and x.stacked)
     others = sum(x.nbytes / x.rule_ways * 4 / x.itemsize for x in s.leaves
                  if x.role == "param" and not x.stacked)
     return {
-        "inbox": lowered.rows("inbox") * slots.x,
-        "inputs": lowered.rows("inputs") * slots.x,
-        "stash": lowered.rows("stash") * chunk_layers * slots.stash,
-        "uses": lowered.rows("uses") * chunk_layers * slots.uses,
+        "inbox": rows["inbox"] * slots.x,
+        "inputs": rows["inputs"] * slots.x,
+        "stash": rows["stash"] * chunk_layers * slots.stash,
+        "uses": rows["uses"] * chunk_layers * slots.uses,
         "payload": 3 * slots.x,
         "d_stacked": stacked,
         "d_others": others,
@@ -174,3 +177,17 @@ def temporaries(s: StepSetting, slots: LayerSlots) -> tuple[Estimate, dict[str, 
            "float32 accumulators + one layer's stash in flight"
            + (" + gathered parameters" if gathered else ""))
     return Estimate(sum(parts.values()) + slots.stash + gathered, how), parts
+
+
+def stage_temporaries(s: StepSetting, state, batch, stages: Stages | None = None
+                      ) -> tuple[Estimate, dict[str, float]] | None:
+    """:func:`temporaries` for a pipelined step whose ``Stages`` are known (given, or the
+    reference models' own: ``next_token_stages`` for a GPT, ``llama_stages`` for a Llama);
+    None without a pipeline or stages."""
+    if s.pipeline is None:
+        return None
+    if stages is None and s.config is not None:
+        stages = llama_stages if isinstance(s.config, LlamaConfig) else next_token_stages
+    if not isinstance(stages, Stages):
+        return None
+    return temporaries(s, layer_slots(s, state, batch, stages))

@@ -216,10 +216,14 @@ def _pipeline(s: StepSetting, add) -> None:
         "unstacked parameters' gradients (float32) and the loss, summed over the stages")
     if c is not None and s.seq_len is not None:
         x = microbatch_rows(s) * s.seq_len * c.embed_dim * jnp.dtype(c.dtype).itemsize
+        # Under sequence parallelism each device holds and sends [b, T/t, D] (Megatron's
+        # scatter/gather optimisation, in effect).
+        x /= s.tensor if s.sequence_parallel else 1
         sends = 1 if p.stages == 2 else 2  # both neighbours are one stage when there are two
         add("collective-permute", (p.axis,), sends * p.schedule.ticks * x,
             sends * p.schedule.ticks,
-            f"{sends} x {p.schedule.ticks} ticks x a micro-batch's [b, T, D]")
+            f"{sends} x {p.schedule.ticks} ticks x a micro-batch's [b, T, D]"
+            + (f" / t={s.tensor}" if s.sequence_parallel else ""))
     v, S = p.virtual_stages, p.stages
     if v > 1:
         # Block i (of v) stored on stage st is chunk (st v + i) // S of stage (st v + i) % S.

@@ -31,9 +31,8 @@ from parallax.planner import roofline
 from parallax.planner.predicted import compute as pc
 from parallax.planner.predicted import expert_parallel as pe
 from parallax.planner.predicted import memory as pm
-from parallax.planner.predicted import pipeline as pp
 from parallax.planner.predicted import traffic as pt
-from parallax.planner.explain_predicted import explain_predicted, split_rows
+from parallax.planner.explain_predicted import explain_predicted, split_rows, working_rows
 from parallax.planner.predicted import step_time
 from parallax.planner.report import Report, Row
 from parallax.planner.topology import Topology
@@ -159,14 +158,7 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
                            else None, sum(n for _, n in experts) if experts else None,
                            how=f"Σ experts / EP={s.size(s.expert_axis)}" if experts
                            else "replicated: no expert axis"))
-    act = pm.activation_bytes(s)
-    if act is not None:
-        rows.append(Row(MEMORY, "activations", act.value, None, how=act.how))
-    temps, piped = pm.temporary_bytes(s), pp.stage_temporaries(s, state, batch, stages)
-    if piped is not None:
-        temps, parts = piped
-        rows.append(Row(MEMORY, "pipeline buffers", sum(parts.values()), None,
-                        how=", ".join(f"{k} {v / 1e6:.3g} MB" for k, v in parts.items() if v)))
+    temps = working_rows(s, state, batch, stages, rows)
     why = REASONS["temporaries"] + ("; " + REASONS["pipeline buffers"] if s.pipeline else "")
     if s.pipeline and _bf16_on_cpu(s) and jax.__version_info__ < (0, 12):
         why += "; " + REASONS["cpu bf16 rings"]

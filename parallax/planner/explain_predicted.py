@@ -151,6 +151,17 @@ def _memory_rows(s: StepSetting, state, batch, stages) -> list[Row]:
                 how=predicted["gradients"].how),
             Row(MEMORY, "arguments (state + batch)", args, None,
                 how="state + the batch's share")]
+    temps = working_rows(s, state, batch, stages, rows)
+    if temps is not None:
+        rows.append(Row(MEMORY, "temporaries", temps.value, None, how=temps.how))
+        rows.append(Row(MEMORY, "peak", args + temps.value, None,
+                        how="arguments + temporaries"))
+    return rows
+
+
+def working_rows(s: StepSetting, state, batch, stages, rows: list) -> pm.Estimate | None:
+    """Appends the predicted activation and pipeline-buffer rows to ``rows`` and returns the
+    predicted temporaries (the pipeline's buffers where there is one), for both reports."""
     act = pm.activation_bytes(s)
     if act is not None:
         rows.append(Row(MEMORY, "activations", act.value, None, how=act.how))
@@ -159,8 +170,4 @@ def _memory_rows(s: StepSetting, state, batch, stages) -> list[Row]:
         temps, parts = piped
         rows.append(Row(MEMORY, "pipeline buffers", sum(parts.values()), None,
                         how=", ".join(f"{k} {v / 1e6:.3g} MB" for k, v in parts.items() if v)))
-    if temps is not None:
-        rows.append(Row(MEMORY, "temporaries", temps.value, None, how=temps.how))
-        rows.append(Row(MEMORY, "peak", args + temps.value, None,
-                        how="arguments + temporaries"))
-    return rows
+    return temps

@@ -17,7 +17,9 @@ two optimizers decide differently when the step is:
   followed by ``optimizer.step()``: a step after ``j < k`` passes applies the sum of the
   ``j``. A pass beyond ``k`` before a step is an error, as the hook asserts that it sees at
   most ``k`` passes between steps; inside a program the pass count is traced, so a host
-  callback raises it when the program runs.
+  callback raises it when the program runs (JAX then raises that error again at every later
+  ``jax.effects_barrier()`` until another program with a host callback runs on the same
+  devices: a failed host callback's error stays in JAX's per-device runtime tokens).
 
 Horovod sums the passes (the torch optimizer lets ``p.grad`` accumulate;
 horovod/tensorflow/gradient_aggregation.py and gradient_aggregation_eager.py divide by ``k``
@@ -62,9 +64,10 @@ def too_many_passes(api: str, k: int) -> str:
             f"create the optimizer with a larger backward_passes_per_step.")
 
 
-def _check_count(api: str, k: int, count) -> None:
+def _check_count(api: str, k: int, count):
     if int(count) > k:
         raise ValueError(too_many_passes(api, k))
+    return np.asarray(count)
 
 
 def accumulate(api: str, grads, accumulated, count, inner, apply, *, k: int, step, eager: bool):
@@ -107,6 +110,9 @@ def accumulate(api: str, grads, accumulated, count, inner, apply, *, k: int, ste
         if step is not None and int(count) > k:
             raise ValueError(too_many_passes(api, k))
         return stepped(None) if bool(stepping) else waited(None)
-    if step is not None:  # a traced count cannot raise here: the host checks it
-        jax.debug.callback(functools.partial(_check_count, api, k), count)
+    if step is not None:
+        # A traced count cannot raise here: the host checks it, in a callback whose result
+        # the program uses (so it runs before the count is read, and raises there).
+        count = jax.pure_callback(functools.partial(_check_count, api, k),
+                                  jax.ShapeDtypeStruct(count.shape, count.dtype), count)
     return lax.cond(jnp.asarray(stepping, bool), stepped, waited, None)

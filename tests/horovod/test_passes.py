@@ -105,6 +105,21 @@ def test_more_passes_than_k_before_a_step_are_refused():
 
     with pytest.raises(Exception, match=re.escape(message)):  # raised by the host callback
         jax.block_until_ready(three_passes(params, np.ones((8, 2), np.float32)))
+    _forget_the_failed_callback()
+
+
+def _forget_the_failed_callback():
+    """JAX keeps a failed host callback's error in its per-device runtime tokens and raises it
+    again at every later ``jax.effects_barrier()`` (the profiler's, a checkpoint's, exit's)
+    until another program with a host callback runs on those devices; run one, so that the
+    tests after this one in the same process start clean."""
+    mesh = jax.make_mesh((jax.device_count(),), ("all",))
+    ones = jax.device_put(np.ones(jax.device_count(), np.float32),
+                          jax.NamedSharding(mesh, jax.P("all")))
+    unchanged = jax.jit(lambda x: jax.pure_callback(
+        np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+    jax.block_until_ready(unchanged(ones))  # a program on every device, with a host callback
+    jax.effects_barrier()
 
 
 def test_step_errors_are_named():

@@ -53,6 +53,7 @@ def reference(dropout_seed=1, stages=False):
     return losses, first, model, jax.device_get(nnx.state(optimizer.opt_state))
 
 
+@pytest.mark.slow
 def test_dropout_is_off_by_default_and_leaves_the_parameters_alone():
     """No rate, no layer and no RNG state; with rates the parameters are the same values."""
     plain = px.models.GPT(px.models.GPTConfig.tiny(), rngs=nnx.Rngs(0))
@@ -76,6 +77,7 @@ def test_train_mode_drops_and_eval_mode_is_the_plain_model():
     assert float(px.models.next_token_loss(model, batch)) == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_attention_probabilities_are_dropped_as_nnx_dropout_drops_them():
     """dropout(softmax(q k^T / sqrt(K), causal)) v, with the mask nnx.Dropout draws."""
     rng = np.random.default_rng(0)

@@ -140,6 +140,8 @@ class GPT(nnx.Module):
       ``[B, T, padded_vocab_size]`` (``vocab_size`` unless ``vocab_pad_multiple`` pads it).
       Packed rows (``parallax.data``) also pass ``segment_ids=`` and ``positions=`` (int
       ``[B, T]``): attention stays inside each document and positions restart with it.
+      With ``GPTConfig``'s dropout rates above 0 the model drops as GPT-2 does (embeddings,
+      attention probabilities, residual branches) until ``model.eval()``.
 
     Example:
       >>> import jax.numpy as jnp

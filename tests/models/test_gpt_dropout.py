@@ -186,3 +186,20 @@ def test_each_dropout_call_advances_its_layers_counter():
     assert int(counts["embed_dropout"]["rngs"]["count"]) == STEPS
     assert counts["blocks"]["attn_dropout"]["rngs"]["count"].tolist() == [STEPS] * 2
     assert counts["blocks"]["resid_dropout"]["rngs"]["count"].tolist() == [2 * STEPS] * 2
+
+
+@pytest.mark.slow
+def test_recomputed_blocks_draw_the_same_masks():
+    """remat="full" recomputes each block in the backward: the same masks, the same
+    gradients, and each counter advanced once per call, not once more for the recompute."""
+    batch = batches(1)[0]
+
+    def run(remat):
+        model = make(config=px.models.GPTConfig.tiny(max_seq_len=16, remat=remat, **RATES))
+        loss, grads = nnx.jit(nnx.value_and_grad(px.models.next_token_loss))(model, batch)
+        return float(loss), grads, jax.device_get(nnx.state(model, nnx.RngCount))
+
+    (loss, grads, counts), (ref_loss, ref_grads, ref_counts) = run("full"), run("none")
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert px.testing.relative_difference(grads, ref_grads) <= 1e-5
+    jax.tree.map(np.testing.assert_array_equal, counts, ref_counts)

@@ -20,6 +20,7 @@ from flax import nnx
 from parallax.activations import constrain
 from parallax.comm.varying import to_varying, varying_axes
 from parallax.models.remat import remat_layer
+from parallax.nn.attention_dropout import apply_dropout
 from parallax.nn.layers import RESIDUAL
 
 
@@ -27,9 +28,12 @@ def moe_block_forward(block, x: jax.Array, segment_ids: jax.Array | None = None
                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One MoE block: ``(residual stream [B, T, D], this layer's router statistics)``."""
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}  # ParallelGPT's: none
-    x = constrain(x + block.attn(block.ln1(x), **packed), RESIDUAL)
+    probs, resid = getattr(block, "attn_dropout", None), getattr(block, "resid_dropout", None)
+    if probs is not None:
+        packed["probs_dropout"] = probs
+    x = constrain(x + apply_dropout(resid, block.attn(block.ln1(x), **packed)), RESIDUAL)
     y, stats = block.mlp(block.ln2(x))
-    return constrain(x + y, RESIDUAL), stats
+    return constrain(x + apply_dropout(resid, y), RESIDUAL), stats
 
 
 STATS_IN_ROW = ("load_balance_loss", "router_z_loss")

@@ -80,6 +80,13 @@ class ParallelGPT(nnx.Module):
                  sequence_parallel: bool = False):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"ParallelGPT: config must be a GPTConfig, got {type(config).__name__}.")
+        if config.has_dropout:
+            raise ValueError(
+                "ParallelGPT: GPTConfig's dropout (embed_dropout="
+                f"{config.embed_dropout}, attention_dropout={config.attention_dropout}, "
+                f"residual_dropout={config.residual_dropout}) is not built into the explicit "
+                "Megatron GPT; train px.models.GPT under px.TensorParallel (one device's "
+                "masks), or set the three rates to 0.")
         self.config, self.axis, self.sequence_parallel = config, axis, sequence_parallel
         create_gpt_params(self, config, rngs, lambda rngs: ParallelBlock(
             config, rngs=rngs, axis=axis, sequence_parallel=sequence_parallel))

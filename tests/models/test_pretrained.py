@@ -15,6 +15,7 @@ from flax import nnx
 import parallax as px
 from parallax.models import GPT, GPTConfig, from_pretrained, save_pretrained
 from parallax.models.pretrained import checkpoint_files
+from parallax.models.pretrained.config_warnings import PretrainedConfigWarning
 
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 16)).astype(np.int32)
 MESH_AXES = dict(data=2, fsdp=2, tensor=2)
@@ -149,9 +150,12 @@ def hf_logits(torch, model, tokens):
 @pytest.mark.slow
 def test_transformers_gpt2_loads_with_the_same_logits(tmp_path):
     torch, _, hf = hf_gpt2()
-    hf.save_pretrained(tmp_path)  # transformers' own files
+    hf.save_pretrained(tmp_path)  # transformers' own files, with GPT-2's dropout of 0.1
     mesh = px.make_mesh(**MESH_AXES)
-    loaded = from_pretrained(tmp_path, mesh=mesh, strategy=strategy())
+    with pytest.warns(PretrainedConfigWarning, match=r"asks for dropout \(embd_pdrop=0.1"):
+        loaded = from_pretrained(tmp_path, mesh=mesh, strategy=strategy())
+    assert loaded.config.attention_dropout == 0.1 and loaded.dropout_active()
+    loaded.eval()  # as transformers' model is
     np.testing.assert_allclose(np.asarray(loaded(TOKENS)), hf_logits(torch, hf, TOKENS),
                                rtol=1e-5, atol=1e-5)
 

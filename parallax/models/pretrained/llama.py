@@ -34,12 +34,15 @@ import numpy as np
 
 from parallax.models.llama import Llama
 from parallax.models.llama_config import LlamaConfig
+from parallax.models.pretrained.config_warnings import warn_lacking
 from parallax.models.pretrained.pieces import Piece, Stacked
 from parallax.nn.rope import RopeScaling
 
 API = "px.models.from_pretrained"
 MODEL = Llama
 ARCHITECTURE = "LlamaForCausalLM"
+LACKING = {"attention_dropout": (0.0, "parallax's Llama has no dropout, so it trains "
+                                      "without the attention dropout")}
 
 
 def _rope(hf: Mapping) -> tuple[float, RopeScaling | None]:
@@ -67,6 +70,7 @@ def config_from_hf(hf: Mapping, **overrides: Any) -> LlamaConfig:
         if hf.get(key, default) not in allowed:
             raise ValueError(f"{API}: Llama config {key}={hf.get(key)!r} is not supported; "
                              f"parallax's Llama has {key} in {allowed} only.")
+    warn_lacking("Llama", hf, LACKING)
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, d // h):
         raise ValueError(f"{API}: Llama config head_dim={hf['head_dim']} differs from "

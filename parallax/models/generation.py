@@ -100,8 +100,11 @@ def _checked(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed)
             f"be between {shape[1] + 1} and the model's max_seq_len={c.max_seq_len} "
             f"({type(model).__name__}'s positions); shorten the prompt or ask for fewer "
             "tokens.")
-    if not isinstance(prompt_ids, jax.core.Tracer):
+    try:
         ids = np.asarray(prompt_ids)
+    except jax.errors.TracerArrayConversionError:  # inside a jit: shapes only
+        ids = None
+    if ids is not None:
         if ids.min() < 0 or ids.max() >= c.vocab_size:
             raise ValueError(f"{API}: prompt_ids must lie in [0, {c.vocab_size}) (the model's "
                              f"vocab_size), got ids from {ids.min()} to {ids.max()}; use the "
@@ -144,7 +147,7 @@ def _check_layout(mesh, strategy, batch: int) -> None:
                          "it (the weights restored under it: px.models.from_pretrained or "
                          "px.checkpoint with that strategy).")
     ways = axis_size(mesh, strategy.batch_axes)
-    if batch % ways:
+    if jax.process_count() == 1 and batch % ways:  # several processes: eval_step's check
         raise ValueError(f"{API}: the prompt's {batch} rows do not divide over the batch axes "
                          f"{axes_text(mesh, strategy.batch_axes)} ({ways} ways) of mesh "
                          f"{describe(mesh)}; pass a multiple of {ways} prompts (repeat one).")
@@ -169,6 +172,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       seed: the random draws' seed (step i draws with ``fold_in(key(seed), i)``): the same
         seed gives the same text on one device and on any mesh.
       mesh, strategy: the training layout to run in (``px.eval_step``'s); both or neither.
+        The program is compiled again for each call in a layout (one device: once per
+        shape and settings). Tested in one process; across processes each would pass its
+        own rows, as to an eval step, untested.
 
     Returns:
       int32 ``[B, P + max_new_tokens]``: the prompt followed by the new tokens.

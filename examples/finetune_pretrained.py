@@ -31,7 +31,6 @@ Without an accelerator it simulates 8 CPU devices.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import tempfile
 
@@ -180,7 +179,6 @@ def main(argv=None) -> list[float]:
     print(simulate_cpu_devices(8))
 
     import jax
-    import numpy as np
 
     import parallax as px
 

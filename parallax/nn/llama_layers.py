@@ -28,6 +28,7 @@ from flax import nnx
 
 from parallax.activations import constrain
 from parallax.attention import dot_product_attention
+from parallax.nn.kv_cache import cached_attention
 from parallax.nn.layers import (HEADS, WHOLE_SEQUENCE, Dense, Names, annotated_param,
                                 gather_sequence)
 from parallax.nn.rope import apply_rotary
@@ -113,13 +114,18 @@ class GroupedQueryAttention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
 
     def __call__(self, x: jax.Array, positions: jax.Array, *,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, cache=None):
+        """``cache``: a :class:`parallax.nn.kv_cache.KVCache` (decoding; ``positions`` those
+        of the new tokens), then ``(y, updated cache)``."""
         x = gather_sequence(x, WHOLE_SEQUENCE)
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q = constrain(apply_rotary(self.query(x), positions, inv_freq), HEADS)
         kv = self.key_value(x)  # [B, T, 2, G, K]
         k = constrain(apply_rotary(kv[..., 0, :, :], positions, inv_freq), KV_HEADS)
         v = constrain(kv[..., 1, :, :], KV_HEADS)
+        if cache is not None:
+            y, cache = cached_attention(q, k, v, cache, KV_HEADS)
+            return self.out(constrain(y, HEADS)), cache
         y = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, T, H, K]
         return self.out(constrain(y, HEADS))
 

@@ -59,8 +59,16 @@ def _rope(hf: Mapping) -> tuple[float, RopeScaling | None]:
         original_max_position_embeddings=int(merged["original_max_position_embeddings"]))
 
 
+def writes(c: LlamaConfig) -> bool:
+    """Whether ``save_pretrained`` writes a Llama of config ``c`` as this family (dense)."""
+    return c.moe is None
+
+
 def config_from_hf(hf: Mapping, **overrides: Any) -> LlamaConfig:
     """Our ``LlamaConfig`` from a Llama ``config.json``."""
+    if overrides.get("moe") is not None and hf.get("model_type", "llama") == "llama":
+        raise ValueError(f"{API}: moe= given for a dense Llama checkpoint, whose MLP weights "
+                         "have no experts; load a 'mixtral' checkpoint for MoE blocks.")
     for key, allowed, default in (("hidden_act", ("silu",), "silu"),
                                   ("attention_bias", (False,), False),
                                   ("mlp_bias", (False,), False)):
@@ -135,7 +143,11 @@ def ignored(name: str) -> bool:
 
 
 def export(c: LlamaConfig, leaves: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Our leaves (dotted names, host arrays) -> Llama's tensors, as transformers saves them."""
+    """Our leaves (dotted names, host arrays) -> Llama's tensors, as transformers saves them.
+
+    The dense MLP's tensors are written when the model has one (an MoE Llama's experts are
+    :mod:`parallax.models.pretrained.mixtral`'s to write).
+    """
     d, v = c.embed_dim, c.vocab_size
     out = {"model.embed_tokens.weight": leaves["embed"][:v], "model.norm.weight": leaves["norm.scale"]}
     if not c.tie_embeddings:
@@ -145,12 +157,15 @@ def export(c: LlamaConfig, leaves: Mapping[str, np.ndarray]) -> dict[str, np.nda
         b = f"model.layers.{i}."
         out[f"{b}input_layernorm.weight"] = at["blocks.attn_norm.scale"]
         out[f"{b}post_attention_layernorm.weight"] = at["blocks.mlp_norm.scale"]
-        key_value, gate_up = at["blocks.attn.key_value.kernel"], at["blocks.mlp.gate_up.kernel"]
+        key_value = at["blocks.attn.key_value.kernel"]
         attention = {"q_proj": at["blocks.attn.query.kernel"], "k_proj": key_value[:, 0],
                      "v_proj": key_value[:, 1]}
         for theirs, kernel in attention.items():
             out[f"{b}self_attn.{theirs}.weight"] = kernel.reshape(d, -1).T
         out[f"{b}self_attn.o_proj.weight"] = at["blocks.attn.out.kernel"].reshape(-1, d).T
+        if "blocks.mlp.gate_up.kernel" not in at:
+            continue
+        gate_up = at["blocks.mlp.gate_up.kernel"]
         mlp = {"gate": gate_up[:, 0], "up": gate_up[:, 1], "down": at["blocks.mlp.down.kernel"]}
         for name, kernel in mlp.items():
             out[f"{b}mlp.{name}_proj.weight"] = kernel.T

@@ -43,7 +43,7 @@ def save_pretrained(path: str | pathlib.Path, model, *,
     """
     model = getattr(model, "model", model)  # a TrainState holds its model
     family = families.for_model(model, API)
-    _, state = nnx.split(model, nnx.Param)
+    _, state, _ = nnx.split(model, nnx.Param, ...)  # not the sown router statistics
     leaves = {}
     for key, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         if jax.process_count() > 1 and not leaf.is_fully_addressable:

@@ -80,7 +80,7 @@ class LlamaBlock(nnx.Module):
         inv_freq = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
         self.attn_norm = RMSNorm(c.embed_dim, epsilon=c.norm_eps, **kw)
         self.attn = GroupedQueryAttention(c.embed_dim, c.num_heads, c.num_kv_heads, inv_freq,
-                                          rngs=rngs, **kw)
+                                          rngs=rngs, qkv_bias=c.qkv_bias, **kw)
         self.mlp_norm = RMSNorm(c.embed_dim, epsilon=c.norm_eps, **kw)
         if c.moe is None:
             self.mlp = SwiGLU(c.embed_dim, c.mlp_dim, rngs=rngs, **kw)

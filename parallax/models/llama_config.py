@@ -49,6 +49,7 @@ class LlamaConfig:
       moe: a ``MoEConfig`` to make every block's MLP a mixture of SwiGLU experts
         (Mixtral; each expert's width is ``moe.mlp_dim`` or ``mlp_dim``); None (the
         default) keeps the dense SwiGLU. Train it with ``moe_next_token_loss``.
+      qkv_bias: biases on the q, k and v projections (Qwen2); False (Llama, Mixtral).
 
     Example:
       >>> from parallax.models import LlamaConfig
@@ -73,6 +74,7 @@ class LlamaConfig:
     remat: str = "none"
     loss_chunks: int | None = None
     moe: MoEConfig | None = None
+    qkv_bias: bool = False
 
     def __post_init__(self):
         check_policy(self.remat, "LlamaConfig")
@@ -164,6 +166,8 @@ def _block_params(c: LlamaConfig, active: bool = False) -> int:
     """One block's parameters; ``active``: only those one token's forward pass uses."""
     d, f, k = c.embed_dim, c.mlp_dim, c.head_dim
     attention = 2 * d * c.num_heads * k + 2 * d * c.num_kv_heads * k  # q, o; k, v
+    if c.qkv_bias:  # Qwen2: q [H, K], k and v [G, K]
+        attention += (c.num_heads + 2 * c.num_kv_heads) * k
     mlp = 3 * d * f  # gate, up, down
     if c.moe is not None:  # router [D, E]; per expert gate, up [D, F'], down [F', D]
         m = c.moe

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import ModuleType
 
-from parallax.models.pretrained import gpt2, llama, mixtral
+from parallax.models.pretrained import gpt2, llama, mixtral, qwen2
 
-FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral,
+                                   "qwen2": qwen2}
 
 
 def for_config(config: Mapping, api: str) -> ModuleType:

@@ -60,8 +60,9 @@ def _rope(hf: Mapping) -> tuple[float, RopeScaling | None]:
 
 
 def writes(c: LlamaConfig) -> bool:
-    """Whether ``save_pretrained`` writes a Llama of config ``c`` as this family (dense)."""
-    return c.moe is None
+    """Whether ``save_pretrained`` writes a Llama of config ``c`` as this family (dense, no
+    q/k/v biases: those are Qwen2's)."""
+    return c.moe is None and not c.qkv_bias
 
 
 def config_from_hf(hf: Mapping, **overrides: Any) -> LlamaConfig:
@@ -120,9 +121,16 @@ def pieces(c: LlamaConfig, names) -> tuple[dict[str, Piece], dict]:
     if not c.tie_embeddings:
         top["head"] = Piece("lm_head.weight", (d,), (vp,), transpose=True, cols_stored=v)
 
+    def biases(b: str) -> dict[str, Piece]:  # Qwen2's q, k, v biases [H*K], [G*K]
+        if not c.qkv_bias:
+            return {}
+        return {"blocks.attn.query.bias": Piece(f"{b}self_attn.q_proj.bias", (), (h, k)),
+                "blocks.attn.key_value.bias": Stacked(tuple(
+                    Piece(f"{b}self_attn.{n}_proj.bias", (), (g, k)) for n in "kv"), 0)}
+
     def layer(i: int) -> dict[str, Piece]:
         b = f"model.layers.{i}."
-        return {
+        return biases(b) | {
             "blocks.attn_norm.scale": Piece(f"{b}input_layernorm.weight", (), (d,)),
             "blocks.mlp_norm.scale": Piece(f"{b}post_attention_layernorm.weight", (), (d,)),
             "blocks.attn.query.kernel": Piece(f"{b}self_attn.q_proj.weight", (d,), (h, k), True),
@@ -163,6 +171,11 @@ def export(c: LlamaConfig, leaves: Mapping[str, np.ndarray]) -> dict[str, np.nda
         for theirs, kernel in attention.items():
             out[f"{b}self_attn.{theirs}.weight"] = kernel.reshape(d, -1).T
         out[f"{b}self_attn.o_proj.weight"] = at["blocks.attn.out.kernel"].reshape(-1, d).T
+        if c.qkv_bias:
+            kv_bias = at["blocks.attn.key_value.bias"]
+            for theirs, bias in (("q", at["blocks.attn.query.bias"]), ("k", kv_bias[0]),
+                                 ("v", kv_bias[1])):
+                out[f"{b}self_attn.{theirs}_proj.bias"] = bias.reshape(-1)
         if "blocks.mlp.gate_up.kernel" not in at:
             continue
         gate_up = at["blocks.mlp.gate_up.kernel"]

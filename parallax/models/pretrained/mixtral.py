@@ -112,6 +112,9 @@ def config_to_hf(c: LlamaConfig) -> dict:
                 f"px.models.save_pretrained: MoEConfig({field}={getattr(m, field)!r}) has no "
                 f"Mixtral equivalent (Mixtral's is {mixtral!r}); transformers would compute "
                 "another model from the files.")
+    if c.qkv_bias:
+        raise ValueError("px.models.save_pretrained: LlamaConfig(qkv_bias=True) has no Mixtral "
+                         "equivalent (Mixtral's attention has no biases).")
     # Mixtral has no dense MLP: its intermediate_size is the experts' width.
     out = llama.config_to_hf(dataclasses.replace(c, mlp_dim=m.mlp_dim or c.mlp_dim))
     for key in ("attention_bias", "mlp_bias"):

@@ -90,10 +90,15 @@ def apply_moe_blocks(model, x: jax.Array, segment_ids: jax.Array | None = None) 
 def take_stats(model) -> dict[str, jax.Array]:
     """The router statistics of the model's last forward pass, removed from the model.
 
+    Works for every model whose scanned MoE blocks sow ``moe_stats`` (the GPT's and the
+    Llama's, ``config.moe``).
+
     Returns:
-      ``load_balance_loss`` and ``router_z_loss`` summed over layers (Switch adds one per
-      MoE layer), ``dropped_fraction`` averaged over layers, and ``expert_load``
-      ``[L, E]``: per layer, the share of routing choices each expert got.
+      ``load_balance_loss`` as ``config.moe.aux_loss`` defines it over the layers
+      (``"switch"``: each layer's summed, as Switch adds one per MoE layer; ``"mixtral"``:
+      :func:`pooled_balance_loss`), ``router_z_loss`` summed over layers,
+      ``dropped_fraction`` averaged over layers, and ``expert_load`` ``[L, E]``: per layer,
+      the share of routing choices each expert got.
 
     Raises:
       ValueError: the model has run no MoE forward pass since the last call.
@@ -102,12 +107,43 @@ def take_stats(model) -> dict[str, jax.Array]:
     if sown is None:
         raise ValueError(
             "moe_next_token_loss: the model holds no router statistics; call it with a GPT "
-            "built from GPTConfig(moe=MoEConfig(...)), whose forward pass records them.")
+            "or Llama built with moe=MoEConfig(...), whose forward pass records them.")
     stats = sown.get_value()
     del model.moe_stats
+    moe = model.config.moe
+    if moe.aux_loss == "mixtral":
+        balance = pooled_balance_loss(stats["expert_load"], stats["expert_importance"],
+                                      moe.top_k)
+    else:
+        balance = jnp.sum(stats["load_balance_loss"])
     return {
-        "load_balance_loss": jnp.sum(stats["load_balance_loss"]),
+        "load_balance_loss": balance,
         "router_z_loss": jnp.sum(stats["router_z_loss"]),
         "dropped_fraction": jnp.mean(stats["dropped_fraction"]),
         "expert_load": stats["expert_load"],
     }
+
+
+def pooled_balance_loss(load: jax.Array, importance: jax.Array, top_k: int) -> jax.Array:
+    """Mixtral's load-balancing loss: ``E sum_e f_e P_e`` over all layers' tokens at once.
+
+    Hugging Face transformers' ``load_balancing_loss_func`` (``modeling_mixtral.py``)
+    concatenates the router logits of every layer, so ``f_e`` (how many of a token's
+    ``top_k`` choices went to expert e, per token: ``top_k`` times the share of choices)
+    and ``P_e`` (the mean router probability) are each averaged over layers and tokens
+    before their product; one loss for the whole model, not one per layer.
+
+    Args:
+      load: ``[L, E]`` per layer, the share of all routing choices each expert got.
+      importance: ``[L, E]`` per layer, each expert's mean router probability.
+      top_k: k, the choices per token.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> even = jnp.full((3, 4), 0.25)             # 3 layers, 4 experts, perfectly even
+      >>> float(pooled_balance_loss(even, even, top_k=2))   # k at balance (Switch's: 1)
+      2.0
+    """
+    num_experts = load.shape[-1]
+    tokens_per_expert = top_k * jnp.mean(load, axis=0)
+    return num_experts * jnp.sum(tokens_per_expert * jnp.mean(importance, axis=0))

@@ -213,6 +213,9 @@ def batch_mean():
 def aux_loss(stats: dict[str, jax.Array], config: MoEConfig) -> jax.Array:
     """``balance_coef * load_balance_loss + z_coef * router_z_loss``, to add to the loss.
 
+    ``z_coef`` is the one in effect (:attr:`MoEConfig.router_z_coef`: none under Mixtral's
+    convention). ``stats`` are a model's, over its layers, as its loss gives them.
+
     Example:
       >>> import jax.numpy as jnp
       >>> round(float(aux_loss({"load_balance_loss": jnp.float32(1.0),
@@ -220,4 +223,4 @@ def aux_loss(stats: dict[str, jax.Array], config: MoEConfig) -> jax.Array:
       0.012
     """
     return (config.balance_coef * stats["load_balance_loss"]
-            + config.z_coef * stats["router_z_loss"])
+            + config.router_z_coef * stats["router_z_loss"])

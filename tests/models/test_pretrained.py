@@ -167,3 +167,15 @@ def test_our_gpt_saves_into_transformers_with_the_same_logits(tmp_path):
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     np.testing.assert_allclose(hf_logits(torch, hf, TOKENS), np.asarray(model(TOKENS)),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_sliding_window_is_refused(tmp_path):
+    model = px.models.Llama(px.models.LlamaConfig(
+        vocab_size=96, max_seq_len=16, num_layers=1, num_heads=4, num_kv_heads=2,
+        embed_dim=32, mlp_dim=64, qkv_bias=True), rngs=nnx.Rngs(0))
+    px.models.save_pretrained(tmp_path, model)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"use_sliding_window": True}))
+    with pytest.raises(ValueError, match=r"px.models.from_pretrained: Qwen2 config "
+                       r"use_sliding_window=true is not supported"):
+        px.models.from_pretrained(tmp_path)

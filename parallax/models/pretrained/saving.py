@@ -45,7 +45,8 @@ def save_pretrained(path: str | pathlib.Path, model, *,
     """
     model = getattr(model, "model", model)  # a TrainState holds its model
     family = families.for_model(model, API)
-    _, state, _ = nnx.split(model, nnx.Param, ...)  # the dropout streams are not weights
+    # the weights only: not the dropout streams, nor an MoE's sown router statistics
+    _, state, _ = nnx.split(model, nnx.Param, ...)
     leaves = {}
     for key, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         if jax.process_count() > 1 and not leaf.is_fully_addressable:

@@ -33,8 +33,9 @@ def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
     """Loads a Hugging Face checkpoint into the parallax model of its family, sharded.
 
     The families, by ``config.json``'s ``model_type``: ``gpt2`` (``GPT2LMHeadModel``) into
-    ``px.models.GPT``, ``llama`` (``LlamaForCausalLM``) into ``px.models.Llama``
-    (``docs/pretrained.md`` has the name maps and what each refuses). A config field that
+    ``px.models.GPT``, ``llama`` (``LlamaForCausalLM``) into ``px.models.Llama``, ``qwen2``
+    (``Qwen2ForCausalLM``) into a Llama with q/k/v biases and ``mixtral``
+    (``MixtralForCausalLM``) into a Llama with MoE blocks (``docs/pretrained.md`` has the name maps and what each refuses). A config field that
     changes what the original computes is refused where the weights would mean something
     else, and named in a ``PretrainedConfigWarning`` where they do not (a dropout the model
     lacks); GPT-2's dropout is turned on as the config asks, and said so.

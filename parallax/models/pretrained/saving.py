@@ -23,8 +23,8 @@ def save_pretrained(path: str | pathlib.Path, model, *,
     Args:
       path: the directory to write (created).
       model: a ``px.models.GPT`` (written as ``gpt2``, its dropout rates in the config) or
-        a ``px.models.Llama`` (as ``llama``), sharded or not, or a ``px.TrainState``
-        holding one.
+        a ``px.models.Llama`` (as ``llama``; ``qwen2`` with q/k/v biases; ``mixtral`` with
+        MoE blocks), sharded or not, or a ``px.TrainState`` holding one.
       max_shard_bytes: files larger than this are split, with
         ``model.safetensors.index.json`` (transformers' default is 5 GB).
 

@@ -136,7 +136,7 @@ class MoE(nnx.Module):
         axis = manual_expert_axis()
         if c.dropless and axis is not None:  # sized by the real loads, not padded to S
             y, _ = dropless_in_rounds(x, routing.experts, routing.gates, run, exchange, axis,
-                                   c.num_experts)
+                                      c.num_experts, manual_batch_axes())
             kept = jnp.ones(routing.experts.shape, bool)
         elif c.dropless and exchange is None and hasattr(lax, "ragged_dot"):
             y = grouped_experts(x, routing, weights)
@@ -198,12 +198,26 @@ def expert_exchange(num_experts: int):
 
 
 def manual_expert_axis() -> str | None:
-    """The expert axis when this trace is manual over it (the explicit style), else None."""
+    """The expert axis when this trace is manual over it (the explicit style), else None.
+
+    None in a pipeline stage too: there dropless pads (the rounds' conditional did not
+    trace through the pipeline runtime's replay of a stage, jax 0.10).
+    """
     ctx = context.current()
     experts = None if ctx is None else ctx.strategy.experts
     if experts is None or experts.axis not in ctx.manual_axes:
         return None
+    if ctx.strategy.rule_table.get("layers") in ctx.manual_axes:
+        return None
     return experts.axis
+
+
+def manual_batch_axes() -> tuple[str, ...]:
+    """The active step's batch axes that this trace is manual over (none outside a step)."""
+    ctx = context.current()
+    if ctx is None:
+        return ()
+    return tuple(a for a in ctx.strategy.batch_axes if a in ctx.manual_axes)
 
 
 def batch_mean():
@@ -211,9 +225,7 @@ def batch_mean():
 
     The identity in a pipeline stage too: there the statistics are per shard and micro-batch.
     """
-    ctx = context.current()
-    axes = () if ctx is None else tuple(a for a in ctx.strategy.batch_axes
-                                        if a in ctx.manual_axes)
+    ctx, axes = context.current(), manual_batch_axes()
     if not axes:
         return lambda x: x
     shards = 1

@@ -8,7 +8,7 @@ expert FLOPs. Here each device instead cuts its ``N k`` choices into rounds of
 
 1. every choice gets its position among this device's choices of the same expert, so
    round ``r`` holds the choices at positions ``[r c, (r + 1) c)``;
-2. the devices agree (``pmax`` over every axis the tokens vary over) on
+2. the devices agree (``pmax`` over the step's batch axes) on
    ``rounds = ceil(max n_e / c)``, ``n_e`` the choices of expert e on one device, the
    maximum over experts and devices: the busiest expert's count, not ``S``;
 3. each round scatters its choices into ``[1, E, c, D]`` slots, sends them through the
@@ -92,7 +92,8 @@ def positions(experts: jax.Array, num_experts: int) -> jax.Array:
 
 def dropless_in_rounds(x: jax.Array, experts: jax.Array, gates: jax.Array,
                        run: Callable[[jax.Array], jax.Array], exchange: Exchange,
-                       axis: str, num_experts: int) -> tuple[jax.Array, jax.Array]:
+                       axis: str, num_experts: int,
+                       agree: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """The gated sum of each token's k experts' outputs, every choice kept; ``[G, S, D]``.
 
     Called inside a ``shard_map`` manual over ``axis`` (the explicit step's).
@@ -105,6 +106,9 @@ def dropless_in_rounds(x: jax.Array, experts: jax.Array, gates: jax.Array,
       exchange: the strategy's ``(slots [1, E, c, D], run) -> [1, E, c, D]``.
       axis: the mesh axis the experts are split over (the rounds are agreed over it).
       num_experts: E.
+      agree: the manual batch axes whose devices run the layer together (``axis`` is added):
+        the rounds are their maximum. Not a pipeline's stage axis, whose devices run
+        different layers at a time.
 
     Returns:
       ``(y, rounds)``: ``y [G, S, D] = sum_j gates[..., j] * expert_{experts[..., j]}(x)``,
@@ -116,10 +120,11 @@ def dropless_in_rounds(x: jax.Array, experts: jax.Array, gates: jax.Array,
     gates = gates.reshape(tokens, k).astype(x.dtype)
     c = round_slots(tokens, k, num_experts)
     place = positions(experts, num_experts)
-    # Every device runs the same rounds: with the rounds agreed over the expert axis only,
-    # data shards running different counts aborted the process on XLA CPU (seen, jax 0.10).
-    spanned = tuple(sorted(varying_axes(rows) | {axis}))
-    rounds = lax.pmax(rounds_needed(experts, num_experts), spanned)
+    # The step's batch axes run the same rounds: agreed over the expert axis only, data
+    # shards running different counts aborted the process on XLA CPU (seen, jax 0.10).
+    agree = tuple(sorted(set(agree) | {axis}))
+    rounds = lax.pmax(rounds_needed(experts, num_experts), agree)
+    spanned = tuple(sorted(varying_axes(rows) | varying_axes(rounds) | {axis}))
     sent = jnp.broadcast_to(rows[:, None], (tokens, k, d)).reshape(tokens * k, d)
     nowhere = num_experts * c  # out of range: scatter drops it, gather fills 0
 

@@ -60,7 +60,8 @@ def in_rounds(mesh):
 
     def local(x, experts, gates, *weights):
         run = lambda t: swiglu_experts(t, *weights)  # noqa: E731
-        y, rounds = dropless_in_rounds(x, experts, gates, run, exchange.exchange, "expert", E)
+        y, rounds = dropless_in_rounds(x, experts, gates, run, exchange.exchange, "expert", E,
+                                       agree=("data",))
         return y, rounds[None]
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(batch, batch, batch) + (expert,) * 3,

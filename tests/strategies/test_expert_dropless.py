@@ -109,3 +109,27 @@ def test_stock_layers_around_moe_match_one_device(layout):
 
     state = px.init(stock_state, mesh, strategy)
     te.assert_same_trajectory(stock_trajectory(state, step), ref)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_pad_dropless_and_match_one_device():
+    """In a pipeline stage (1F1B, stage=2 x expert=2) dropless pads to C = S (no rounds)."""
+    from parallax.models.gpt_pipeline import next_token_stages
+    cfg = te.config(capacity_factor=None)
+    mesh = px.make_mesh(stage=2, expert=2, devices=jax.devices()[:4])
+    strategy = px.compose(px.ExpertParallel("expert"),
+                          px.Pipeline("stage", microbatches=te.MICRO, schedule="1f1b"))
+    state = px.init(te.make(cfg), mesh, strategy)
+
+    @px.train_step(mesh, strategy)
+    def step(state, batch):
+        value, grads = px.value_and_grad(next_token_stages)(state.model, batch)
+        return state.apply_gradients(grads), value
+
+    found = [c for c in hlo.collectives(step.lower(state, te.data()[0]).compile(), mesh)
+             if c.kind == "all-to-all"]
+    rows = te.ROWS // 2 // te.MICRO  # a micro-batch's rows on one expert device
+    assert {(c.axes, c.conditional) for c in found} == {(("expert",), False)}
+    assert {c.message_bytes for c in found} == {rows * te.EXPERTS * te.SEQ * te.EMBED * 4}
+    te.assert_same_trajectory(te.trajectory(state, step),
+                              te.trajectory(*te.one_device_per_microbatch(cfg)))

@@ -112,7 +112,7 @@ def dropless_in_rounds(x: jax.Array, experts: jax.Array, gates: jax.Array,
 
     Returns:
       ``(y, rounds)``: ``y [G, S, D] = sum_j gates[..., j] * expert_{experts[..., j]}(x)``,
-      as one device computes it, and the rounds that ran (int32, the same on every device).
+      as one device computes it, and the rounds that ran (int32, the same over ``agree``).
     """
     g, s, d = x.shape
     tokens, k = g * s, experts.shape[-1]

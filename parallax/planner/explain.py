@@ -69,8 +69,9 @@ REASONS = {
                          "that gradient is not all-reduced) or sum a leaf in several parts (a tied or "
                          "chunked-loss output matrix: its lookup and each chunk's part)",
     "moe flops": "MoE: the experts compute E C slots per sequence (capacity_factor S k, "
-                 "not S k) and GShard's dispatch and combine einsums are matmuls too; the "
-                 "formula counts the k active experts per token",
+                 "not S k; dropless in rounds, E c per round and device) and GShard's "
+                 "dispatch and combine einsums are matmuls too; the formula counts the k "
+                 "active experts per token",
     "ring flops": "ring attention computes (n+1)/2n of the T x T scores (causal zigzag "
                   "blocks) and its backward recomputes the scores (7 attention matmuls to "
                   "the formula's 6)",

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import parallax as px
+from parallax.nn.moe_dropless import most_rounds, round_slots
 from parallax.planner.predicted import memory as predicted_memory
 from parallax.planner.setting import read_setting
 
@@ -145,8 +146,8 @@ EXPERTS, EMBED, SEQ, MOE_ROWS = 8, 32, 16, 16
 
 
 @functools.cache
-def moe_report(expert_parallel):
-    moe = px.models.MoEConfig(num_experts=EXPERTS, top_k=2, capacity_factor=1.0)
+def moe_report(expert_parallel, capacity_factor=1.0):
+    moe = px.models.MoEConfig(num_experts=EXPERTS, top_k=2, capacity_factor=capacity_factor)
     config = px.models.GPTConfig.tiny(embed_dim=EMBED, num_heads=2, mlp_dim=64,
                                       max_seq_len=SEQ, num_layers=2, moe=moe)
     if expert_parallel:
@@ -181,6 +182,19 @@ def test_expert_parallel_rows_match_the_compiled_program():
     flops = report.row("matmul flops")
     assert "N active: top-2 of 8 experts" in flops.how
     assert flops.ratio == pytest.approx(1, abs=0.1), report.text()
+
+
+@pytest.mark.slow
+def test_dropless_expert_parallel_rows_count_the_rounds_in_the_program():
+    config, report = moe_report(True, capacity_factor=None)
+    layers, tokens = config.num_layers, MOE_ROWS // 8 * SEQ
+    c = round_slots(tokens, 2, EXPERTS)
+    a2a = report.row("all-to-all over expert")  # per round: 2 forward + 2 backward
+    held = most_rounds(tokens, 2, EXPERTS)
+    assert a2a.predicted == a2a.measured == 4 * layers * held * EXPERTS * c * EMBED * 4
+    assert "a step runs ceil(busiest expert's choices / c)" in a2a.how
+    dense = report.row("all-reduce over data+expert")  # router stats and the rounds' max
+    assert dense.predicted == dense.measured
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ from parallax.nn.layers import (
     annotated_param,
     gather_sequence,
 )
-from parallax.nn.chunked_loss import chunked_cross_entropy
+from parallax.models.loss_head import config_token_losses
 from parallax.nn.attention_dropout import (apply_dropout, dropout_layer, is_active,
                                            refuse_reordered_sequence)
 from parallax.nn.padding import mask_padded_logits, padded_init
@@ -251,11 +251,8 @@ class GPT(nnx.Module):
         with the logits computed ``config.loss_chunks`` chunks of the sequence at a time
         (:func:`parallax.nn.chunked_cross_entropy`): equal to ``cross_entropy(unembed(x),
         labels)``, without ``[B, T, V]`` logits."""
-        w, transposed = self.output_matrix()
-        c = self.config
-        return chunked_cross_entropy(
-            self.final_hidden(x), w, labels, transposed=transposed, chunks=c.loss_chunks,
-            vocab_size=c.vocab_size if c.padded_vocab_size > c.vocab_size else None)
+        return config_token_losses(self.final_hidden(x), self.output_matrix(), labels,
+                                   self.config)
 
     def hidden_states(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None) -> jax.Array:

@@ -38,7 +38,7 @@ from parallax.models.mixtral import apply_mixtral_blocks
 from parallax.models.packed_batch import refuse_packed
 from parallax.models.remat import remat_layer
 from parallax.models.token_checks import check_positions, check_sequence, check_token_ids
-from parallax.nn.chunked_loss import chunked_cross_entropy
+from parallax.models.loss_head import config_token_losses
 from parallax.nn.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
 from parallax.nn.moe import MoE
 from parallax.nn.padding import mask_padded_logits, padded_init
@@ -225,11 +225,8 @@ class Llama(nnx.Module):
     def token_losses(self, x: jax.Array, labels: jax.Array) -> jax.Array:
         """float32 cross-entropy ``[B, T]`` of the residual stream ``x``, the logits a chunk of
         the sequence at a time (as ``GPT.token_losses``)."""
-        w, transposed = self.output_matrix()
-        c = self.config
-        return chunked_cross_entropy(
-            self.final_hidden(x), w, labels, transposed=transposed, chunks=c.loss_chunks,
-            vocab_size=c.vocab_size if c.padded_vocab_size > c.vocab_size else None)
+        return config_token_losses(self.final_hidden(x), self.output_matrix(), labels,
+                                   self.config)
 
     def hidden_states(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None) -> jax.Array:

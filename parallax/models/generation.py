@@ -192,6 +192,10 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     """
     prompt, settings = _checked(model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
                                 seed)
+    if getattr(model, "dropout_active", lambda: False)():
+        # decoding is inference, as transformers' generate on a model in eval mode: dropout
+        # off in a view (the caller's model stays in train mode)
+        model = nnx.view(model, deterministic=True)
     if (mesh is None) != (strategy is None):
         raise ValueError(f"{API}: pass mesh= and strategy= together (the training layout), "
                          f"or neither (one device); got mesh={mesh!r}, strategy={strategy!r}.")

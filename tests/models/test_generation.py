@@ -37,6 +37,17 @@ def test_greedy_equals_the_argmax_loop_without_a_cache(family):
     np.testing.assert_array_equal(out, argmax_loop(model, PROMPT, 7))
 
 
+def test_a_model_in_train_mode_decodes_without_dropout_and_stays_in_train_mode():
+    import dataclasses
+    config = dataclasses.replace(GPT_SMALL, embed_dropout=0.5, attention_dropout=0.5,
+                                 residual_dropout=0.5)
+    model = GPT(config, rngs=nnx.Rngs(1))
+    out = generate(model, PROMPT, 7)
+    assert model.dropout_active()
+    model.eval()
+    np.testing.assert_array_equal(out, argmax_loop(model, PROMPT, 7))
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
     model = GPT(GPT_SMALL, rngs=nnx.Rngs(1))
     a = generate(model, PROMPT, 6, temperature=1.0, seed=4)

@@ -14,8 +14,10 @@ tensor axis next to the papers' formula; trains both for ``--steps`` with data p
 on the remaining devices (throughput, MFU and memory in the progress bar, a table after each;
 ``--logdir DIR`` logs to ``DIR/GPT`` and ``DIR/ParallelGPT``); and compares their loss curves
 with one device. On a GPU or TPU it computes in bf16 with fp32 master parameters and
-optimizer (``px.MixedPrecision``; the activations, and so the bytes sent, are bf16), on CPU
-in fp32 (``--precision`` chooses); the comparison's tolerance is 1e-4 in fp32, 3e-2 in bf16.
+optimizer (``px.MixedPrecision``; the formula counts bf16 activations), on CPU in fp32
+(``--precision`` chooses); the comparison's tolerance is 1e-4 in fp32, 3e-2 in bf16. (With
+``--precision bf16`` on CPU the compiler converts each bf16 collective to float32, so the
+measured bytes are twice the formula's.)
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ def main(argv=None) -> int:
         sent = tensor_traffic.measured_traffic(compiled, mesh, args.batch // (n // tensor))
         found = tensor_traffic.tensor_collectives(compiled, mesh)
         per_layer = [c for c in found if c.in_loop]
+        on_cpu = jax.default_backend() == "cpu"
         note = (" (the CPU compiler writes GSPMD's reduce-scatters as all-reduces)"
-                if args.sp and name.startswith("GSPMD") and jax.default_backend() == "cpu"
-                else "")
+                if args.sp and name.startswith("GSPMD") and on_cpu else "")
+        if on_cpu and compute != "float32":
+            note += " (the CPU compiler sends bf16 as float32: twice the bytes)"
         print(f"\n{name}: all-reduce {sent.all_reduce:,} B, all-gather {sent.all_gather:,} B, "
               f"reduce-scatter {sent.reduce_scatter:,} B{note}")
         print("  per layer: " + ", ".join(f"{c.collective.kind} ({c.phase})"

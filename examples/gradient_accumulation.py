@@ -54,9 +54,11 @@ def main(argv=None) -> int:
     def make_state(config=config):
         return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(0)), optax.sgd(0.3))
 
+    precision = [px.MixedPrecision(compute=compute)] if compute != "float32" else []
+
     def step_for(k):
         strategy = px.compose(px.DataParallel("data"), px.GradientAccumulation(k),
-                              *([px.MixedPrecision(compute=compute)] if compute != "float32" else []))
+                              *precision)
 
         @px.train_step(mesh, strategy)
         def step(state, batch):

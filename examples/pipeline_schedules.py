@@ -92,12 +92,13 @@ def main(argv=None) -> int:
     fp32 = dataclasses.replace(config, dtype=jnp.float32)  # the reference computes in fp32
     reference = px.testing.train(lambda: make_state(fp32), px.models.next_token_loss,
                                  data).losses
+    precision = [px.MixedPrecision(compute=compute)] if compute != "float32" else []
     worst = 0.0
     for name in ("1f1b", "interleaved_1f1b"):
         strategy = px.compose(px.DataParallel("data"),
                               px.Pipeline("stage", microbatches=2 * stages, schedule=name,
                                           virtual_stages=chunks.get(name, 1)),
-                              *([px.MixedPrecision(compute=compute)] if compute != "float32" else []))
+                              *precision)
 
         @px.train_step(mesh, strategy)
         def step(state, batch):

@@ -71,7 +71,8 @@ def main(argv=None) -> int:
                                  dtype=compute)
     params = px.models.param_count(config)
     print(f"GPT with {params / 1e6:.2f}M parameters: {16 * params / 1e6:.1f} MB of training "
-          f"state (float32 + Adam; computing in {compute}); budget {budget / 1e6:.1f} MB per device\n")
+          f"state (float32 + Adam; computing in {compute}); budget {budget / 1e6:.1f} MB per "
+          "device\n")
 
     def make_state():
         return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(0)), optax.adam(1e-3))

@@ -164,7 +164,8 @@ def compute_dtype_from_flag(precision: str, platform: str | None = None) -> str:
       'float32'
       >>> compute_dtype_from_flag("fp16")
       Traceback (most recent call last):
-      ValueError: parallax.precision.compute_dtype_from_flag: precision='fp16' is not one of 'auto', 'fp32', 'bf16'.
+      ValueError: parallax.precision.compute_dtype_from_flag: precision='fp16' is not one of
+      'auto', 'fp32', 'bf16'.
     """
     if precision == "auto":
         return default_compute_dtype(platform)

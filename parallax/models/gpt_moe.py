@@ -74,9 +74,15 @@ def moe_block_with_stats_row(block, x: jax.Array) -> jax.Array:
 def apply_moe_blocks(model, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """All L MoE blocks as one ``nnx.scan``; the statistics are kept on ``model``.
     (``segment_ids``: packed documents; the router's statistics count padding tokens too.)"""
+    return scan_moe_blocks(model, x, lambda block, x: moe_block_forward(block, x, segment_ids))
+
+
+def scan_moe_blocks(model, x: jax.Array, block_forward) -> jax.Array:
+    """``model.blocks`` as one ``nnx.scan`` of ``block_forward(block, x) -> (x, stats)`` under
+    the config's remat policy; the stacked router statistics are kept on ``model`` (for
+    :func:`take_stats`). The MoE GPT's and the MoE Llama's blocks both run through it."""
     layers = {nnx.PARTITION_NAME: "layers"}
-    forward = remat_layer(lambda block, x: moe_block_forward(block, x, segment_ids),
-                          model.config.remat)
+    forward = remat_layer(block_forward, model.config.remat)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=layers)
     def body(x: jax.Array, block):

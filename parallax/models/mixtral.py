@@ -32,11 +32,10 @@ References:
 from __future__ import annotations
 
 import jax
-from flax import nnx
 
 from parallax.activations import constrain
 from parallax.attention import sequence_positions
-from parallax.models.remat import remat_layer
+from parallax.models.gpt_moe import scan_moe_blocks
 from parallax.nn.layers import RESIDUAL
 
 
@@ -67,15 +66,5 @@ def apply_mixtral_blocks(model, x: jax.Array, segment_ids: jax.Array | None = No
                          positions: jax.Array | None = None) -> jax.Array:
     """All L MoE blocks as one ``nnx.scan``; the router statistics are kept on ``model``
     (packed documents: the router's statistics count every token, padding included)."""
-    layers = {nnx.PARTITION_NAME: "layers"}
-    forward = remat_layer(
-        lambda block, x: mixtral_block_forward(block, x, segment_ids=segment_ids,
-                                               positions=positions), model.config.remat)
-
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=layers)
-    def body(x: jax.Array, block):
-        return forward(block, x)
-
-    x, stats = body(x, model.blocks)
-    model.moe_stats = nnx.Intermediate(stats)
-    return x
+    return scan_moe_blocks(model, x, lambda block, x: mixtral_block_forward(
+        block, x, segment_ids=segment_ids, positions=positions))

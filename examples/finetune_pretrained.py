@@ -37,7 +37,6 @@ can turn a near-tie of the argmax). Without an accelerator it simulates 8 CPU de
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
 import tempfile
 
@@ -73,22 +72,6 @@ def default_text(folder: pathlib.Path, files: int = 8) -> pathlib.Path:
     return folder
 
 
-def computing_in(model, compute: str):
-    """``model`` with its config's compute dtype set to ``compute``, its parameters (their
-    dtype and sharding) unchanged: the model's constructor, run abstractly with the new
-    config, gives the structure and the loaded state fills it. (``from_pretrained``'s
-    ``dtype=`` is the parameters' storage dtype, which stays float32.)"""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    if jnp.dtype(model.config.dtype) == jnp.dtype(compute):
-        return model
-    config = dataclasses.replace(model.config, dtype=jnp.dtype(compute))
-    rngs = lambda: nnx.Rngs(0, dropout=0)  # noqa: E731  (the streams from_pretrained makes)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: type(model)(config, rngs=rngs())))
-    return nnx.merge(graphdef, nnx.state(model))
-
-
 def tokenizer_for(checkpoint: pathlib.Path):
     import parallax as px
 
@@ -119,8 +102,8 @@ def train(args, mesh, strategy, corpus, tokenizer, run_dir, *, compute="float32"
     import parallax as px
 
     train_docs, held_out = corpus.split(0.2, seed=0)
-    model = computing_in(px.models.from_pretrained(args.checkpoint, mesh=mesh,
-                                                   strategy=strategy), compute)
+    model = px.models.from_pretrained(args.checkpoint, mesh=mesh, strategy=strategy,
+                                      compute_dtype=compute)  # parameters stay float32
     if compute != "float32":  # the step casts the float32 parameters to bf16
         strategy = px.compose(strategy, px.MixedPrecision(compute=compute))
     config = model.config

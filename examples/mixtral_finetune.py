@@ -23,25 +23,8 @@ in bf16. The saved checkpoint holds the float32 master parameters.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
-
-
-def computing_in(model, compute: str):
-    """``model`` with its config's compute dtype set to ``compute``, its parameters (their
-    dtype and sharding) unchanged: the model's constructor, run abstractly with the new
-    config, gives the structure and the loaded state fills it. (``from_pretrained``'s
-    ``dtype=`` is the parameters' storage dtype, which stays float32.)"""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    if jnp.dtype(model.config.dtype) == jnp.dtype(compute):
-        return model
-    config = dataclasses.replace(model.config, dtype=jnp.dtype(compute))
-    rngs = lambda: nnx.Rngs(0, dropout=0)  # noqa: E731  (the streams from_pretrained makes)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: type(model)(config, rngs=rngs())))
-    return nnx.merge(graphdef, nnx.state(model))
 
 
 def main(argv=None) -> int:
@@ -80,8 +63,8 @@ def main(argv=None) -> int:
                         tensor=2 if jax.device_count() % 2 == 0 else 1)
     strategy = px.compose(px.DataParallel("data"), px.ExpertParallel("expert"),
                           px.TensorParallel("tensor"))
-    model = computing_in(px.models.from_pretrained(path, mesh=mesh, strategy=strategy),
-                         compute)
+    model = px.models.from_pretrained(path, mesh=mesh, strategy=strategy,
+                                      compute_dtype=compute)  # parameters stay float32
     if compute != "float32":  # the step casts the float32 parameters to bf16
         strategy = px.compose(strategy, px.MixedPrecision(compute=compute))
     moe = model.config.moe

@@ -105,6 +105,16 @@ def test_dtype_casts_the_stored_parameters(tmp_path):
     assert loaded.blocks.mlp.fc.kernel.dtype == jnp.bfloat16
 
 
+def test_compute_dtype_sets_the_compute_and_keeps_the_parameters(tmp_path):
+    save_pretrained(tmp_path, GPT(GPTConfig.tiny(num_layers=1), rngs=nnx.Rngs(0)))
+    model = from_pretrained(tmp_path, compute_dtype="bfloat16")
+    assert model.config.dtype == jnp.bfloat16 and model.config.param_dtype == jnp.float32
+    assert model.blocks.mlp.fc.kernel[...].dtype == jnp.float32
+    assert model(jnp.ones((1, 4), jnp.int32)).dtype == jnp.float32  # float32 logits
+    hidden = model.hidden_states(jnp.ones((1, 4), jnp.int32))
+    assert hidden.dtype == jnp.bfloat16
+
+
 def test_bad_checkpoints_get_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"px.models.from_pretrained: no config.json in "):
         from_pretrained(tmp_path)

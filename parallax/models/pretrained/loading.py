@@ -14,6 +14,7 @@ import pathlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -29,7 +30,8 @@ from parallax.strategy import Strategy
 
 def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
                     strategy: Strategy | None = None, dtype: Any = None,
-                    dropout_seed: int = 0, **config_overrides: Any) -> nnx.Module:
+                    compute_dtype: Any = None, dropout_seed: int = 0,
+                    **config_overrides: Any) -> nnx.Module:
     """Loads a Hugging Face checkpoint into the parallax model of its family, sharded.
 
     The families, by ``config.json``'s ``model_type``: ``gpt2`` (``GPT2LMHeadModel``) into
@@ -46,10 +48,12 @@ def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
       mesh: the device mesh (default: this process's first device alone).
       strategy: the layout (default: replicated over ``mesh``).
       dtype: the parameters' storage dtype (default: the checkpoint's, cast to float32).
+      compute_dtype: the dtype the model computes in (its config's ``dtype``; default
+        float32), e.g. ``"bfloat16"`` with float32 parameters under ``px.MixedPrecision``.
       dropout_seed: the seed of the model's dropout streams (``nnx.Rngs(dropout=...)``),
         where its config has dropout.
-      **config_overrides: fields of the model's config to set (``dtype`` for compute,
-        ``vocab_pad_multiple``, a shorter ``max_seq_len``, ``embed_dropout=0.0``...).
+      **config_overrides: fields of the model's config to set (``vocab_pad_multiple``, a
+        shorter ``max_seq_len``, ``embed_dropout=0.0``...).
 
     Returns:
       The model, its parameters already in ``strategy``'s layout on ``mesh``.
@@ -73,6 +77,8 @@ def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
     family = families.for_config(files.config, API)
     if dtype is not None:
         config_overrides["param_dtype"] = dtype
+    if compute_dtype is not None:
+        config_overrides["dtype"] = jnp.dtype(compute_dtype)
     config = family.config_from_hf(files.config, **config_overrides)
     build = lambda: family.MODEL(config, rngs=nnx.Rngs(0, dropout=dropout_seed))  # noqa: E731
     abstract = nnx.eval_shape(build)

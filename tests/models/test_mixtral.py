@@ -13,10 +13,10 @@ import optax
 import pytest
 from flax import nnx
 
+import fixtures as fx
 import parallax as px
 from parallax.models import Llama, LlamaConfig, MoEConfig
 from parallax.models.gpt_moe import pooled_balance_loss
-from parallax.models.pretrained import checkpoint_files
 from parallax.nn.moe_routing import route, router_stats
 
 MIXTRAL = MoEConfig(num_experts=4, top_k=2, capacity_factor=None, aux_loss="mixtral",
@@ -128,15 +128,7 @@ def test_each_device_reads_only_its_experts(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "mixtral" and saved["num_local_experts"] == 4
     assert saved["output_router_logits"] and saved["router_aux_loss_coef"] == 0.02
-    reads = []
-    original = checkpoint_files.CheckpointFiles.read
-
-    def counting(self, name, index=None):
-        array = original(self, name, index)
-        reads.append((name, array.nbytes))
-        return array
-
-    monkeypatch.setattr(checkpoint_files.CheckpointFiles, "read", counting)
+    reads = fx.counted_checkpoint_reads(monkeypatch)
     mesh = px.make_mesh(expert=4, tensor=2)
     strategy = px.compose(px.ExpertParallel("expert"), px.TensorParallel("tensor"))
     loaded = px.models.from_pretrained(tmp_path, mesh=mesh, strategy=strategy)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import fixtures as fx
 import parallax as px
 from parallax.models import GPT, GPTConfig, from_pretrained, save_pretrained
-from parallax.models.pretrained import checkpoint_files
 from parallax.models.pretrained.config_warnings import PretrainedConfigWarning
 
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 16)).astype(np.int32)
@@ -51,15 +51,7 @@ def test_save_then_load_is_the_identity_in_any_layout(tmp_path):
 def test_each_device_reads_only_its_slice(tmp_path, monkeypatch):
     model = ours()
     save_pretrained(tmp_path, model)
-    reads = []
-    original = checkpoint_files.CheckpointFiles.read
-
-    def counting(self, name, index=None):
-        array = original(self, name, index)
-        reads.append((name, array.nbytes))
-        return array
-
-    monkeypatch.setattr(checkpoint_files.CheckpointFiles, "read", counting)
+    reads = fx.counted_checkpoint_reads(monkeypatch)
     mesh = px.make_mesh(**MESH_AXES)
     loaded = from_pretrained(tmp_path, mesh=mesh, strategy=strategy())
     fc = loaded.blocks.mlp.fc.kernel[...]  # [L, D, F] over fsdp x tensor: a quarter per device

@@ -32,8 +32,24 @@ def moe_block_forward(block, x: jax.Array, segment_ids: jax.Array | None = None
     if probs is not None:
         packed["probs_dropout"] = probs
     x = constrain(x + apply_dropout(resid, block.attn(block.ln1(x), **packed)), RESIDUAL)
-    y, stats = block.mlp(block.ln2(x))
+    y, stats = block.mlp(block.ln2(x), counted_tokens(block.mlp.config, segment_ids))
     return constrain(x + apply_dropout(resid, y), RESIDUAL), stats
+
+
+def counted_tokens(moe, segment_ids: jax.Array | None) -> jax.Array | None:
+    """The tokens the router statistics count: under ``aux_loss="mixtral"`` with segment ids
+    (``0`` = padding), those that are not padding, as transformers' Mixtral weights its
+    loss by the ``attention_mask``; otherwise None (every token, padding included).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from parallax.nn import MoEConfig
+      >>> counted_tokens(MoEConfig(aux_loss="mixtral"), jnp.array([[1, 1, 0]])).tolist()
+      [[True, True, False]]
+    """
+    if segment_ids is None or moe.aux_loss != "mixtral":
+        return None
+    return segment_ids != 0
 
 
 STATS_IN_ROW = ("load_balance_loss", "router_z_loss")
@@ -73,7 +89,8 @@ def moe_block_with_stats_row(block, x: jax.Array) -> jax.Array:
 
 def apply_moe_blocks(model, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """All L MoE blocks as one ``nnx.scan``; the statistics are kept on ``model``.
-    (``segment_ids``: packed documents; the router's statistics count padding tokens too.)"""
+    (``segment_ids``: packed documents; the router's statistics count padding tokens too,
+    except under ``aux_loss="mixtral"``: :func:`counted_tokens`.)"""
     return scan_moe_blocks(model, x, lambda block, x: moe_block_forward(block, x, segment_ids))
 
 

@@ -9,8 +9,9 @@ norms, RoPE and the head are the dense Llama's.
 
 ``MoEConfig(capacity_factor=None)`` is Mixtral's routing: every token reaches its k
 experts (dropless). ``aux_loss="mixtral"`` is its auxiliary loss as Hugging Face
-transformers computes it (pooled over layers, no z-loss); ``px.models.from_pretrained``
-sets both from a ``mixtral`` checkpoint.
+transformers computes it (pooled over layers, no z-loss, padding not counted: a batch's
+``segment_ids`` ``0`` are transformers' ``attention_mask`` ``0``);
+``px.models.from_pretrained`` sets both from a ``mixtral`` checkpoint.
 
 Example:
   >>> import jax.numpy as jnp
@@ -35,7 +36,7 @@ import jax
 
 from parallax.activations import constrain
 from parallax.attention import sequence_positions
-from parallax.models.gpt_moe import scan_moe_blocks
+from parallax.models.gpt_moe import counted_tokens, scan_moe_blocks
 from parallax.nn.layers import RESIDUAL
 
 
@@ -58,13 +59,15 @@ def mixtral_block_forward(block, x: jax.Array, *, segment_ids: jax.Array | None 
         positions = sequence_positions(x.shape[1], "Llama")
     x = constrain(x + block.attn(block.attn_norm(x), positions, segment_ids=segment_ids),
                   RESIDUAL)
-    y, stats = block.mlp(block.mlp_norm(x))
+    y, stats = block.mlp(block.mlp_norm(x), counted_tokens(block.mlp.config, segment_ids))
     return constrain(x + y, RESIDUAL), stats
 
 
 def apply_mixtral_blocks(model, x: jax.Array, segment_ids: jax.Array | None = None,
                          positions: jax.Array | None = None) -> jax.Array:
     """All L MoE blocks as one ``nnx.scan``; the router statistics are kept on ``model``
-    (packed documents: the router's statistics count every token, padding included)."""
+    (packed or padded rows, ``segment_ids`` ``0`` = padding: under ``aux_loss="mixtral"``
+    the statistics count the tokens that are not padding, as transformers' Mixtral weighs
+    its auxiliary loss by the ``attention_mask``; under ``"switch"``, every token)."""
     return scan_moe_blocks(model, x, lambda block, x: mixtral_block_forward(
         block, x, segment_ids=segment_ids, positions=positions))

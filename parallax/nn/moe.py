@@ -76,7 +76,8 @@ class MoE(nnx.Module):
     Returns:
       Calling the layer on ``x [B, S, D]`` gives ``(y [B, S, D], stats)``; ``stats`` holds
       ``load_balance_loss``, ``router_z_loss``, ``dropped_fraction`` (scalars) and
-      ``expert_load`` (``[E]``), each over the whole batch.
+      ``expert_load`` (``[E]``), each over the whole batch; ``layer(x, token_mask)`` (bool
+      ``[B, S]``) counts only the masked-in tokens in them (padding routes as usual).
 
     Example:
       >>> import jax.numpy as jnp
@@ -121,10 +122,15 @@ class MoE(nnx.Module):
         else:
             self.shared_gate = self.shared_up = self.shared_down = None
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
         if x.ndim != 3:
             raise ValueError(f"parallax.nn.MoE: x must be [batch, seq, embed], got "
                              f"{list(x.shape)}.")
+        if token_mask is not None and tuple(token_mask.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"parallax.nn.MoE: token_mask must be [batch, seq] like x's "
+                             f"first two dimensions {list(x.shape[:2])}, got "
+                             f"{list(token_mask.shape)}.")
         c, dtype = self.config, self.dtype or x.dtype
         x = x.astype(dtype)
         logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32),
@@ -151,7 +157,7 @@ class MoE(nnx.Module):
             gate = x @ self.shared_gate[...].astype(dtype)
             up = x @ self.shared_up[...].astype(dtype)
             y = y + (jax.nn.silu(gate) * up) @ self.shared_down[...].astype(dtype)
-        stats = router_stats(logits, routing, kept, c.num_experts, batch_mean())
+        stats = router_stats(logits, routing, kept, c.num_experts, batch_mean(), token_mask)
         return y, stats
 
 

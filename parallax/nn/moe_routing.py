@@ -102,7 +102,8 @@ def dispatch_tensors(routing: Routing, num_experts: int, capacity: int):
 
 
 def router_stats(logits: jax.Array, routing: Routing, kept: jax.Array, num_experts: int,
-                 global_mean: Callable[[jax.Array], jax.Array]) -> dict[str, jax.Array]:
+                 global_mean: Callable[[jax.Array], jax.Array],
+                 token_mask: jax.Array | None = None) -> dict[str, jax.Array]:
     """The two auxiliary losses and the load statistics, over the whole batch.
 
     Args:
@@ -113,6 +114,11 @@ def router_stats(logits: jax.Array, routing: Routing, kept: jax.Array, num_exper
       global_mean: ``x -> x`` averaged over every batch shard (the identity on one
         device): ``f_e`` and ``P_e`` must be the whole batch's for the loss to be one
         device's, since a mean of products is not a product of means.
+      token_mask: ``[G, S]``, the tokens that count (padding does not), or None for all.
+        Every statistic is then a mean over the counted tokens of the whole batch, as
+        transformers' ``load_balancing_loss_func`` weights by its ``attention_mask``:
+        each sum over the counted tokens is averaged over the shards and divided by the
+        shards' mean share of counted tokens (equal shards: the whole batch's mean).
 
     Returns:
       ``{"load_balance_loss", "router_z_loss", "dropped_fraction"}`` (float32 scalars)
@@ -120,14 +126,25 @@ def router_stats(logits: jax.Array, routing: Routing, kept: jax.Array, num_exper
       (``f_e``), ``"expert_importance"``: ``[E]``, the mean router probability of each
       expert (``P_e``); a model pools these two over its layers for Mixtral's loss.
     """
+    if token_mask is not None:
+        weight = token_mask.astype(jnp.float32)
+        # 0 counted tokens leave every sum 0; the floor only keeps the division finite.
+        counted = jnp.maximum(global_mean(jnp.mean(weight)), jnp.finfo(jnp.float32).tiny)
+
+    def counted_mean(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+        if token_mask is None:
+            return global_mean(jnp.mean(x, axis=axes))
+        w = weight.reshape(weight.shape + (1,) * (x.ndim - 2))
+        return global_mean(jnp.mean(x * w, axis=axes)) / counted
+
     chosen = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # [G, S, k, E]
-    load = global_mean(jnp.mean(chosen, axis=(0, 1, 2)))  # f_e: shares of all k * N choices
-    importance = global_mean(jnp.mean(routing.probs, axis=(0, 1)))  # P_e
+    load = counted_mean(chosen, (0, 1, 2))  # f_e: shares of all k * N choices
+    importance = counted_mean(routing.probs, (0, 1))  # P_e
     z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
     return {
         "load_balance_loss": num_experts * jnp.sum(load * importance),
-        "router_z_loss": global_mean(jnp.mean(z * z)),
-        "dropped_fraction": global_mean(1.0 - jnp.mean(kept.astype(jnp.float32))),
+        "router_z_loss": counted_mean(z * z, (0, 1)),
+        "dropped_fraction": counted_mean(1.0 - kept.astype(jnp.float32), (0, 1, 2)),
         "expert_load": load,
         "expert_importance": importance,
     }

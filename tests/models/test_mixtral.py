@@ -1,6 +1,6 @@
 """The Llama with MoE blocks (Mixtral): its config and counts, Mixtral's pooled auxiliary
-loss against a re-computation of transformers' formula, one device's training under data x
-expert x tensor (whole state, 3 steps), mixtral checkpoints read as slices, and the
+loss against a re-computation of transformers' formula (with and without padding), one
+device's training under data x expert x tensor (whole state, 3 steps, one of them padded), mixtral checkpoints read as slices, and the
 refusals. The transformers round trips: tests/models/test_mixtral_hf.py."""
 
 import json
@@ -50,15 +50,20 @@ def test_aux_loss_conventions_refuse_what_they_lack():
         MoEConfig(aux_loss="gshard")
 
 
-def _transformers_formula(logits_per_layer, top_k):
+def _transformers_formula(logits_per_layer, top_k, mask=None):
     """load_balancing_loss_func of transformers' modeling_mixtral, re-computed in numpy:
-    every layer's tokens pooled, f_e the choices per token, P_e the mean probability."""
+    every layer's tokens pooled, f_e the choices per token, P_e the mean probability; with
+    an attention mask, both weighted by it (padding does not count)."""
     logits = np.concatenate([np.asarray(x).reshape(-1, x.shape[-1]) for x in logits_per_layer])
+    weight = np.ones(len(logits)) if mask is None else np.tile(
+        np.asarray(mask, np.float64).reshape(-1), len(logits_per_layer))
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     chosen = np.argsort(-probs, axis=-1)[:, :top_k]
-    counts = np.stack([np.bincount(chosen.reshape(-1), minlength=probs.shape[-1])])[0]
-    return probs.shape[-1] * np.sum(counts / len(probs) * probs.mean(0))
+    counts = np.zeros(probs.shape[-1])
+    np.add.at(counts, chosen.reshape(-1), np.repeat(weight, top_k))
+    return probs.shape[-1] * np.sum(counts / weight.sum() * (probs * weight[:, None]).sum(0)
+                                    / weight.sum())
 
 
 def test_pooled_loss_is_transformers_formula():
@@ -73,6 +78,51 @@ def test_pooled_loss_is_transformers_formula():
     assert abs(ours - switch) > 0.1  # about 2x per layer, summed over 3: not the same loss
 
 
+def test_pooled_loss_weighs_by_the_attention_mask():
+    logits = jax.random.normal(jax.random.key(1), (3, 2, 8, 4))  # 3 layers, [G, S, E]
+    mask = jnp.arange(8)[None, :] < jnp.array([[5], [8]])  # row 0 padded after 5 tokens
+    stats = [router_stats(x, (r := route(x, 2, "softmax")), jnp.ones(r.experts.shape, bool), 4,
+                          lambda v: v, mask) for x in logits]
+    load = jnp.stack([s["expert_load"] for s in stats])
+    importance = jnp.stack([s["expert_importance"] for s in stats])
+    ours = float(pooled_balance_loss(load, importance, top_k=2))
+    assert abs(ours - _transformers_formula(list(logits), 2, mask)) <= 1e-6
+    assert abs(ours - _transformers_formula(list(logits), 2)) > 1e-3  # padding changed it
+    everyone = [router_stats(x, route(x, 2, "softmax"), jnp.ones((2, 8, 2), bool), 4,
+                             lambda v: v, jnp.ones((2, 8), bool)) for x in logits]
+    jax.tree.map(np.testing.assert_array_equal, everyone, [
+        router_stats(x, route(x, 2, "softmax"), jnp.ones((2, 8, 2), bool), 4, lambda v: v)
+        for x in logits])  # an all-ones mask is no mask
+
+
+def _router_logits_by_hand(model, tokens, segment_ids):
+    """Each layer's router logits, the blocks run one at a time outside the scan."""
+    from parallax.models.mixtral import mixtral_block_forward
+    graphdef, state = nnx.split(model.blocks)
+    x, logits = model.embed_tokens(tokens), []
+    for layer in range(model.config.num_layers):
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], state))
+        h = x + block.attn(block.attn_norm(x), jnp.arange(tokens.shape[1]),
+                           segment_ids=segment_ids)
+        logits.append(block.mlp_norm(h) @ block.mlp.router[...])
+        x, _ = mixtral_block_forward(block, x, segment_ids=segment_ids)
+    return logits
+
+
+def test_padded_batch_loss_is_transformers_masked_formula():
+    model = Llama(config(), rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, 96, (3, 13)).astype(np.int32)
+    segments = (np.arange(13)[None, :] < np.array([[9], [13], [4]])).astype(np.int32)
+    _, stats = px.models.moe_next_token_loss(model, {"tokens": tokens, "segment_ids": segments})
+    logits = _router_logits_by_hand(model, tokens[:, :-1], segments[:, :-1])
+    expected = _transformers_formula(logits, 2, segments[:, :-1])
+    assert abs(float(stats["load_balance_loss"]) - expected) <= 1e-6 * expected
+    assert abs(_transformers_formula(logits, 2) - expected) > 1e-3  # the mask mattered
+    _, plain = px.models.moe_next_token_loss(model, {"tokens": tokens})
+    unpadded = _transformers_formula(_router_logits_by_hand(model, tokens[:, :-1], None), 2)
+    assert abs(float(plain["load_balance_loss"]) - unpadded) <= 1e-6 * unpadded
+
+
 def _state(cfg):
     # Momentum SGD, as tests/fixtures.py explains: Adam's first step turns gradients that are
     # zero but for rounding into full-size updates whose sign no reduction order reproduces.
@@ -83,8 +133,11 @@ def _state(cfg):
 def _run(state, step):
     rng = np.random.default_rng(0)
     states = []
-    for _ in range(3):
+    for i in range(3):
         batch = {"tokens": rng.integers(0, 96, (8, 17)).astype(np.int32)}
+        if i == 1:  # padded rows, more in the first data shard's half: the mask's counts
+            lengths = np.array([3, 17, 9, 5, 17, 17, 12, 17])[:, None]
+            batch["segment_ids"] = (np.arange(17) < lengths).astype(np.int32)
         state, aux = step(state, batch)
         states.append(jax.device_get((jax.tree.leaves(state), aux)))
     return states
@@ -181,3 +234,10 @@ def test_pipelines_refuse_what_they_cannot_carry():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         px.models.moe_next_token_loss(gpt, tokens)  # and the GPT takes the convention
+
+
+def test_moe_layer_refuses_a_mask_of_another_shape():
+    layer = px.nn.MoE(8, MoEConfig(num_experts=4, mlp_dim=16), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"parallax.nn.MoE: token_mask must be \[batch, seq\] "
+                       r"like x's first two dimensions \[2, 6\], got \[2, 5\]"):
+        layer(jnp.ones((2, 6, 8)), jnp.ones((2, 5), bool))

@@ -102,3 +102,25 @@ def test_three_adamw_steps_same_losses(tmp_path):
         state, loss = step(state, {"tokens": tokens.astype(np.int32)})
         ours.append(float(loss))
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_padded_batch_aux_loss_equals_transformers(tmp_path):
+    """transformers weighs the auxiliary loss by ``attention_mask``; parallax by the batch's
+    ``segment_ids`` (0 = padding): rows padded on the right, on the left, and not at all."""
+    hf = _hf_model(output_router_logits=True, router_aux_loss_coef=COEF)
+    hf.save_pretrained(tmp_path)
+    tokens = _tokens()
+    lengths = np.array([[9], [SEQ + 1], [5], [SEQ + 1]])
+    mask = (np.arange(SEQ + 1) < lengths).astype(np.int64)
+    mask[2] = mask[2][::-1]  # left padding
+    with torch.no_grad():
+        out = hf(torch.from_numpy(tokens[:, :-1]), attention_mask=torch.from_numpy(mask[:, :-1]),
+                 output_router_logits=True)
+    model = px.models.from_pretrained(tmp_path)
+    batch = {"tokens": tokens.astype(np.int32), "segment_ids": mask.astype(np.int32)}
+    _, stats = px.models.moe_next_token_loss(model, batch)
+    theirs = out.aux_loss.item()
+    assert abs(float(stats["load_balance_loss"]) - theirs) <= 1e-6 * theirs
+    with torch.no_grad():
+        unmasked = hf(torch.from_numpy(tokens[:, :-1]), output_router_logits=True).aux_loss.item()
+    assert abs(unmasked - theirs) > 1e-4  # the padding changed transformers' value

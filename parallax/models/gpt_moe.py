@@ -55,35 +55,63 @@ def counted_tokens(moe, segment_ids: jax.Array | None) -> jax.Array | None:
 STATS_IN_ROW = ("load_balance_loss", "router_z_loss")
 
 
-def with_stats_row(x: jax.Array) -> jax.Array:
-    """``[B, T, D]`` -> ``[B, T + 1, D]``: a zero row after the stream for the auxiliary losses.
+def stats_row_width(moe) -> int:
+    """How many entries of the stats row a convention fills: Switch's two summed losses, or
+    Mixtral's pooled sums (per-expert load and router probability, summed over layers)."""
+    return 2 * moe.num_experts if moe.aux_loss == "mixtral" else len(STATS_IN_ROW)
 
-    A pipeline carries one activation array between its stages; the row brings each layer's
-    losses (summed) to the last stage. Needs ``D >= 2``.
+
+def with_stats_row(x: jax.Array, moe, api: str = "next_token_stages") -> jax.Array:
+    """``[B, T, D]`` -> ``[B, T + 1, D]``: a zero row after the stream for the router's
+    statistics.
+
+    A pipeline carries one activation array between its stages; the row brings what the
+    loss needs to the last stage: under ``aux_loss="switch"`` each layer's two losses
+    (summed), under ``"mixtral"`` the per-expert load and router probability of every
+    layer (summed, ``2 E`` entries), from which the last stage computes the pooled loss.
+    Needs ``D >=`` that width.
     """
-    if x.shape[-1] < len(STATS_IN_ROW):
-        raise ValueError(f"next_token_stages: an MoE GPT under a pipeline carries its "
-                         f"{len(STATS_IN_ROW)} auxiliary losses in the embedding dimension, "
-                         f"which has {x.shape[-1]} entries; use embed_dim >= 2.")
+    width = stats_row_width(moe)
+    if x.shape[-1] < width:
+        what = (f"{width} pooled router statistics (2 x {moe.num_experts} experts: the load "
+                "and the router probability of each)" if moe.aux_loss == "mixtral" else
+                f"{width} auxiliary losses")
+        raise ValueError(f"{api}: an MoE model under a pipeline carries its {what} in the "
+                         f"embedding dimension, which has {x.shape[-1]} entries; use "
+                         f"embed_dim >= {width}.")
     return jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
 
 
-def split_stats_row(x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """``[B, T + 1, D]`` -> (the stream ``[B, T, D]``, the summed losses as scalars)."""
-    row = x[0, -1].astype(jnp.float32)
+def split_stats_row(x: jax.Array, config) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``[B, T + 1, D]`` -> (the stream ``[B, T, D]``, the losses as scalars), for the
+    model's ``config`` (its ``moe`` convention and ``num_layers``)."""
+    moe, row = config.moe, x[0, -1].astype(jnp.float32)
+    if moe.aux_loss == "mixtral":
+        e, layers = moe.num_experts, config.num_layers
+        mean_load, mean_importance = row[None, :e] / layers, row[None, e:2 * e] / layers
+        return x[:, :-1], {
+            "load_balance_loss": pooled_balance_loss(mean_load, mean_importance, moe.top_k),
+            "router_z_loss": jnp.zeros((), jnp.float32)}  # Mixtral has none
     return x[:, :-1], {name: row[i] for i, name in enumerate(STATS_IN_ROW)}
 
 
-def moe_block_with_stats_row(block, x: jax.Array) -> jax.Array:
-    """One MoE block on ``[B, T + 1, D]``: the stream through the block, its losses added."""
+def moe_block_with_stats_row(block, x: jax.Array, block_forward=None) -> jax.Array:
+    """One MoE block on ``[B, T + 1, D]``: the stream through the block, its statistics
+    added to the row. ``block_forward(block, x) -> (x, stats)``: the GPT's MoE block
+    (the default) or the Llama's."""
     stream, row = x[:, :-1], x[:, -1:]
-    y, stats = moe_block_forward(block, stream)
-    # The losses are the same on every batch shard; typed as varying like the stream, so the
-    # backward pass sums their cotangents over the shards explicitly (shard_map's check).
-    losses = to_varying(jnp.stack([stats[name] for name in STATS_IN_ROW]).astype(x.dtype),
-                        tuple(varying_axes(x)))
-    padding = jnp.zeros(x.shape[-1] - len(STATS_IN_ROW), x.dtype)
-    added = jnp.concatenate([losses, to_varying(padding, tuple(varying_axes(x)))])
+    y, stats = (block_forward or moe_block_forward)(block, stream)
+    moe = block.mlp.config
+    if moe.aux_loss == "mixtral":
+        entries = jnp.concatenate([stats["expert_load"], stats["expert_importance"]])
+    else:
+        entries = jnp.stack([stats[name] for name in STATS_IN_ROW])
+    # The statistics are the same on every batch shard; typed as varying like the stream, so
+    # the backward pass sums their cotangents over the shards explicitly (shard_map's check).
+    axes = tuple(varying_axes(x))
+    padding = jnp.zeros(x.shape[-1] - entries.shape[0], x.dtype)
+    added = jnp.concatenate([to_varying(entries.astype(x.dtype), axes),
+                             to_varying(padding, axes)])
     return jnp.concatenate([y, row + added], axis=1)
 
 

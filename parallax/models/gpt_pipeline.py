@@ -17,11 +17,13 @@ Example:
   True
 
 For an MoE GPT (``GPTConfig(moe=...)``) the stages carry ``[B, T + 1, D]``: the residual
-stream and one row that sums the layers' load-balancing and z losses, so the pipeline's one
-activation array brings them to the last stage, which adds them to the loss. Under
-``px.Pipeline`` the auxiliary losses are then per micro-batch (Switch's balancing loss of
-each micro-batch's tokens, averaged over micro-batches, as Megatron-LM computes it), which
-differs from the whole batch's; the per-layer statistics (``expert_load``) are not returned.
+stream and one row that sums the layers' load-balancing and z losses (``aux_loss="switch"``)
+or their per-expert loads and router probabilities (``"mixtral"``, pooled by the last stage
+as transformers pools them), so the pipeline's one activation array brings them to the last
+stage, which adds the auxiliary loss. Under ``px.Pipeline`` the auxiliary losses are then
+per micro-batch (the balancing loss of each micro-batch's tokens, averaged over
+micro-batches, as Megatron-LM computes it), which differs from the whole batch's; the
+per-layer statistics (``expert_load``) are not returned.
 
 References:
   Huang et al. 2019, GPipe; Narayanan et al. 2021 (SC), Megatron-LM (embedding on the first
@@ -60,19 +62,12 @@ def _tokens(batch: Mapping[str, jax.Array]) -> jax.Array:
 def embed_tokens(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     """First stage: the residual stream of ``tokens[:, :-1]``, ``[B, T, D]``.
 
-    For an MoE GPT, ``[B, T + 1, D]``: the stream and a row for the router's auxiliary
-    losses, which the MoE blocks add to (:mod:`parallax.models.gpt_moe`).
+    For an MoE GPT, ``[B, T + 1, D]``: the stream and a row for the router's statistics,
+    which the MoE blocks add to (:mod:`parallax.models.gpt_moe`).
     """
     x = model.embed(_tokens(batch)[:, :-1])
     moe = getattr(getattr(model, "config", None), "moe", None)
-    if moe is None:
-        return x
-    if moe.aux_loss != "switch":
-        raise ValueError(
-            f"next_token_stages: an MoE GPT with MoEConfig(aux_loss={moe.aux_loss!r}) pools "
-            "its router statistics over all layers, which a pipeline's stages (one summed "
-            "row of losses) do not carry; use aux_loss='switch' under px.Pipeline.")
-    return with_stats_row(x)
+    return x if moe is None else with_stats_row(x, moe)
 
 
 def apply_block(block: Block, x: jax.Array) -> jax.Array:
@@ -102,12 +97,12 @@ def head_loss(model: GPT, x: jax.Array, batch: Mapping[str, jax.Array]) -> jax.A
 
     The loss itself is ``next_token_loss``'s code (the chunked head and cross-entropy of
     ``model.token_losses``), called with a stand-in model whose hidden states are ``x``, so
-    the two cannot drift apart. For an MoE GPT it adds the router's auxiliary losses carried
-    in the stats row, as ``moe_next_token_loss`` does.
+    the two cannot drift apart. For an MoE GPT or Llama it adds the router's auxiliary loss
+    from the statistics carried in the stats row, as ``moe_next_token_loss`` does.
     """
     moe = getattr(getattr(model, "config", None), "moe", None)
     if moe is not None:
-        x, stats = split_stats_row(x)
+        x, stats = split_stats_row(x, model.config)
     if hasattr(model, "token_losses"):
         loss = next_token_loss(_LastStage(model, x), batch)
     else:  # a model with logits only (ParallelGPT)

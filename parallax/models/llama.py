@@ -34,7 +34,8 @@ from parallax.attention import (in_sequence_order, natural_order, sequence_posit
 from parallax.models.gpt_pipeline import head_loss
 from parallax.nn.layers import RESIDUAL, WHOLE_SEQUENCE, annotated_param, gather_sequence
 from parallax.models.llama_config import LlamaConfig
-from parallax.models.mixtral import apply_mixtral_blocks
+from parallax.models.gpt_moe import with_stats_row
+from parallax.models.mixtral import apply_mixtral_blocks, mixtral_stage
 from parallax.models.packed_batch import refuse_packed
 from parallax.models.remat import remat_layer
 from parallax.models.token_checks import check_positions, check_sequence, check_token_ids
@@ -251,15 +252,20 @@ def _first(model: Llama, batch: Mapping[str, jax.Array]) -> jax.Array:
         raise ValueError(f"llama_stages: batch['tokens'] must have shape [batch, seq + 1] with "
                          f"seq >= 1, got {list(tokens.shape)}.")
     refuse_packed("llama_stages", batch, "a pipeline's stages")
-    if model.config.moe is not None:
-        raise ValueError("llama_stages: a Llama with MoE blocks (LlamaConfig(moe=...)) has no "
-                         "pipeline stages yet (its router statistics are not carried between "
-                         "stages); train it without px.Pipeline, or use an MoE GPT, whose "
-                         "stages carry them.")
-    return model.embed_tokens(tokens[:, :-1])
+    x = model.embed_tokens(tokens[:, :-1])
+    moe = model.config.moe
+    return x if moe is None else with_stats_row(x, moe, "llama_stages")
+
+
+def _stage(block: LlamaBlock, x: jax.Array) -> jax.Array:
+    if isinstance(block.mlp, MoE):  # the stream and a row of router statistics
+        return mixtral_stage(block, x)
+    return llama_block_forward(block, x)
 
 
 # ``next_token_loss`` split for ``px.Pipeline``: embedding first, one block per stage step,
-# final norm, head and the loss (``next_token_loss``'s own code) last.
-llama_stages = Stages(first=_first, stage=llama_block_forward, last=head_loss,
+# final norm, head and the loss (``next_token_loss``'s own code) last. With MoE blocks
+# (Mixtral), ``moe_next_token_loss``: the router statistics travel in a row after the
+# stream (``parallax.models.gpt_moe.with_stats_row``) and the last stage adds the loss.
+llama_stages = Stages(first=_first, stage=_stage, last=head_loss,
                       layers=lambda model: model.blocks)

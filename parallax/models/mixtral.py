@@ -5,7 +5,9 @@ With ``LlamaConfig(moe=MoEConfig(...))`` every block's SwiGLU MLP is a
 k = 2), SwiGLU experts stacked on a leading ``"expert"`` axis. The scanned blocks return
 each layer's router statistics beside the residual stream, kept on the model as a sown
 value (``model.moe_stats``, as the MoE GPT's) for ``moe_next_token_loss``. Attention,
-norms, RoPE and the head are the dense Llama's.
+norms, RoPE and the head are the dense Llama's. Under ``px.Pipeline`` (``llama_stages``)
+each stage runs :func:`mixtral_stage`, which carries the statistics in a row after the
+stream.
 
 ``MoEConfig(capacity_factor=None)`` is Mixtral's routing: every token reaches its k
 experts (dropless). ``aux_loss="mixtral"`` is its auxiliary loss as Hugging Face
@@ -36,7 +38,7 @@ import jax
 
 from parallax.activations import constrain
 from parallax.attention import sequence_positions
-from parallax.models.gpt_moe import counted_tokens, scan_moe_blocks
+from parallax.models.gpt_moe import counted_tokens, moe_block_with_stats_row, scan_moe_blocks
 from parallax.nn.layers import RESIDUAL
 
 
@@ -71,3 +73,10 @@ def apply_mixtral_blocks(model, x: jax.Array, segment_ids: jax.Array | None = No
     its auxiliary loss by the ``attention_mask``; under ``"switch"``, every token)."""
     return scan_moe_blocks(model, x, lambda block, x: mixtral_block_forward(
         block, x, segment_ids=segment_ids, positions=positions))
+
+
+def mixtral_stage(block, x: jax.Array) -> jax.Array:
+    """One pipeline stage step of the MoE Llama (``llama_stages``): the block on the stream
+    ``[B, T + 1, D]`` and its router statistics added to the last row
+    (:func:`parallax.models.gpt_moe.moe_block_with_stats_row`)."""
+    return moe_block_with_stats_row(block, x, mixtral_block_forward)

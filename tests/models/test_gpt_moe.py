@@ -37,7 +37,7 @@ def test_pipeline_stages_are_the_moe_loss():
     loss, staged = both(model, batch)
     assert px.testing.relative_difference(staged, loss) <= 1e-6
     from parallax.models.gpt_moe import with_stats_row
-    with pytest.raises(ValueError, match=r"next_token_stages: an MoE GPT under a pipeline "
+    with pytest.raises(ValueError, match=r"next_token_stages: an MoE model under a pipeline "
                        r"carries its 2 auxiliary losses in the embedding dimension, which has "
                        r"1 entries; use embed_dim >= 2"):
-        with_stats_row(jnp.ones((2, 8, 1)))
+        with_stats_row(jnp.ones((2, 8, 1)), MoEConfig())

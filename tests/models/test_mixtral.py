@@ -1,10 +1,10 @@
 """The Llama with MoE blocks (Mixtral): its config and counts, Mixtral's pooled auxiliary
 loss against a re-computation of transformers' formula (with and without padding), one
-device's training under data x expert x tensor (whole state, 3 steps, one of them padded), mixtral checkpoints read as slices, and the
-refusals. The transformers round trips: tests/models/test_mixtral_hf.py."""
+device's training under data x expert x tensor (whole state, 3 steps, one of them padded),
+mixtral checkpoints read as slices, and the refusals. The transformers round trips:
+tests/models/test_mixtral_hf.py; pipelines: tests/models/test_mixtral_pipeline.py."""
 
 import json
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -220,20 +220,6 @@ def test_checkpoint_semantics_and_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"save_pretrained: MoEConfig\(score='sigmoid'\) has "
                        r"no Mixtral equivalent"):
         px.models.save_pretrained(tmp_path / "e", sigmoid)
-
-
-def test_pipelines_refuse_what_they_cannot_carry():
-    tokens = {"tokens": jnp.ones((2, 9), jnp.int32)}
-    with pytest.raises(ValueError, match=r"llama_stages: a Llama with MoE blocks"):
-        px.models.llama_stages(Llama(config(), rngs=nnx.Rngs(0)), tokens)
-    from parallax.models.gpt_pipeline import next_token_stages
-    gpt = px.models.GPT(px.models.GPTConfig.tiny(moe=MIXTRAL), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"next_token_stages: an MoE GPT with "
-                       r"MoEConfig\(aux_loss='mixtral'\) pools its router statistics"):
-        next_token_stages(gpt, tokens)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        px.models.moe_next_token_loss(gpt, tokens)  # and the GPT takes the convention
 
 
 def test_moe_layer_refuses_a_mask_of_another_shape():

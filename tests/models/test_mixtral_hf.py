@@ -1,7 +1,8 @@
 """An MoE px.models.Llama against Hugging Face's MixtralForCausalLM: transformers' own files
 loaded sharded over data x expert x tensor (logits within 1e-5), ours saved and loaded back
-by transformers, and three AdamW steps of both (cross-entropy plus Mixtral's auxiliary loss)
-with the same losses within 1e-6.
+by transformers, three AdamW steps of both (cross-entropy plus Mixtral's auxiliary loss)
+with the same losses within 1e-6, and the auxiliary loss of a padded batch (transformers'
+``attention_mask``, parallax's ``segment_ids``) within 1e-6.
 
 Skipped unless ``transformers`` and ``torch`` are installed (neither is a dependency).
 """
@@ -104,6 +105,7 @@ def test_three_adamw_steps_same_losses(tmp_path):
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_padded_batch_aux_loss_equals_transformers(tmp_path):
     """transformers weighs the auxiliary loss by ``attention_mask``; parallax by the batch's
     ``segment_ids`` (0 = padding): rows padded on the right, on the left, and not at all."""

@@ -48,6 +48,7 @@ from parallax.strategies import AllReduceSync as AllReduceSync
 from parallax.strategies import FSDP as FSDP
 from parallax.strategies import HSDP as HSDP
 from parallax.strategies import MixedPrecision as MixedPrecision
+from parallax.strategies import Float8 as Float8
 from parallax.strategies import Pipeline as Pipeline
 from parallax.strategies import ReduceToOne as ReduceToOne
 from parallax.strategies import BucketedSync as BucketedSync
@@ -75,6 +76,7 @@ __all__ = [
     "GradientAccumulation",
     "HSDP",
     "MixedPrecision",
+    "Float8",
     "Pipeline",
     "ReduceToOne",
     "Strategy",

@@ -4,7 +4,7 @@ The core (``layout``, ``grad``, ``step``, ``attention``) never imports
 ``parallax.strategies``; a parallelism reaches it through values held in a
 :class:`parallax.strategy.Strategy`. Each single-valued one is typed by a protocol here
 (:class:`StateSharding` for ZeRO, :class:`SequenceSplit` for context parallelism,
-:class:`ExpertSharding` for expert parallelism); the many-valued ones, checks and
+:class:`ExpertSharding` for expert parallelism, :class:`Float8Weights` for float8); the many-valued ones, checks and
 preparations of the model that every strategy of a composition adds, travel together as one
 :class:`ModelHooks` value that ``compose`` concatenates.
 
@@ -93,6 +93,21 @@ class ExpertSharding(Protocol):
 
     def exchange(self, slots: jax.Array, run: Callable) -> jax.Array:
         """``run`` applied to every slot by the device holding its expert, back in place."""
+
+
+class Float8Weights(Protocol):
+    """Which weights ZeRO 3 all-gathers in float8, and how (``px.Float8``).
+
+    ``parallax.strategies.float8.Float8Matmuls`` implements it; the explicit style's
+    parameter gather calls it inside its ``shard_map``.
+    """
+
+    def gathered_kernels(self, model) -> dict[str, int]:
+        """``{dotted parameter path: leading stacked dims}`` of the weights to gather in
+        float8 (empty: none)."""
+
+    def gather(self, shard: jax.Array, gather: Callable, axis: str, stacked: int) -> jax.Array:
+        """The full weight from ``shard``, ``gather`` (ZeRO's all-gather) moving float8."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import nnx
 
 from parallax import context
@@ -112,6 +113,8 @@ class Dense(nnx.Module):
       use_bias: add a bias (zeros at init).
       dtype: compute dtype (params are cast to it); None keeps the input's.
       param_dtype: storage dtype of the params.
+      dot_general: the product (``lax.dot_general``'s signature, as ``nnx.Linear``'s):
+        ``px.Float8`` swaps in a float8 one inside the traced step.
 
     Example:
       >>> import jax.numpy as jnp
@@ -133,10 +136,13 @@ class Dense(nnx.Module):
         use_bias: bool = True,
         dtype: jnp.dtype | None = None,
         param_dtype: jnp.dtype = jnp.float32,
+        dot_general=lax.dot_general,
     ):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         names = tuple(names)
         self.num_in = len(in_shape)
+        self.num_out = len(out_shape)
+        self.dot_general = dot_general
         self.dtype = dtype
         self.kernel = annotated_param(
             kernel_init, rngs.params(), in_shape + out_shape, names, param_dtype
@@ -148,7 +154,10 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
         kernel = jnp.asarray(self.kernel[...], dtype)
-        y = jnp.tensordot(jnp.asarray(x, dtype), kernel, axes=self.num_in)
+        x = jnp.asarray(x, dtype)
+        contracted = ((tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in))),
+                      ((), ()))
+        y = self.dot_general(x, kernel, contracted)
         return y if self.bias is None else y + jnp.asarray(self.bias[...], dtype)
 
 

@@ -64,7 +64,12 @@ def scale_from_amax(found: jax.Array, dtype, power_of_2: bool = False) -> jax.Ar
       128.0
     """
     scale = fp8_max(dtype) / jnp.maximum(found, AMAX_FLOOR)
-    return jnp.exp2(jnp.floor(jnp.log2(scale))) if power_of_2 else scale
+    if not power_of_2:
+        return scale
+    # The exponent read exactly (frexp: scale = m * 2**e, 0.5 <= m < 1), not through a
+    # rounded log2: a scale 8x another must round to exactly 8x its power of two.
+    _, exponent = jnp.frexp(scale)
+    return jnp.ldexp(jnp.ones_like(scale), exponent - 1)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:

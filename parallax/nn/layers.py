@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from flax import nnx
 
 from parallax import context
@@ -113,13 +112,10 @@ class Dense(nnx.Module):
       use_bias: add a bias (zeros at init).
       dtype: compute dtype (params are cast to it); None keeps the input's.
       param_dtype: storage dtype of the params.
-      dot_general: the product (``lax.dot_general``'s signature, as ``nnx.Linear``'s):
-        ``px.Float8`` swaps in a float8 one inside the traced step.
+      dot_general: the product (as ``nnx.Linear``'s; ``px.Float8`` swaps in float8's).
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from parallax.nn.layers import Dense
+      >>> import jax.numpy as jnp; from flax import nnx; from parallax.nn.layers import Dense
       >>> layer = Dense((8,), (2, 4), ("embed", "heads", "kv"), rngs=nnx.Rngs(0))
       >>> layer(jnp.ones((3, 8))).shape
       (3, 2, 4)
@@ -136,13 +132,11 @@ class Dense(nnx.Module):
         use_bias: bool = True,
         dtype: jnp.dtype | None = None,
         param_dtype: jnp.dtype = jnp.float32,
-        dot_general=lax.dot_general,
+        dot_general=jax.lax.dot_general,
     ):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         names = tuple(names)
-        self.num_in = len(in_shape)
-        self.num_out = len(out_shape)
-        self.dot_general = dot_general
+        self.num_in, self.num_out, self.dot_general = len(in_shape), len(out_shape), dot_general
         self.dtype = dtype
         self.kernel = annotated_param(
             kernel_init, rngs.params(), in_shape + out_shape, names, param_dtype
@@ -154,10 +148,8 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
         kernel = jnp.asarray(self.kernel[...], dtype)
-        x = jnp.asarray(x, dtype)
-        contracted = ((tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in))),
-                      ((), ()))
-        y = self.dot_general(x, kernel, contracted)
+        x, n = jnp.asarray(x, dtype), self.num_in
+        y = self.dot_general(x, kernel, (((*range(x.ndim - n, x.ndim),), (*range(n),)), ((), ())))
         return y if self.bias is None else y + jnp.asarray(self.bias[...], dtype)
 
 

@@ -10,6 +10,7 @@ float32 logits at once, the loss before chunking). Run against a parallax withou
 
 Usage:
   python benchmarks/loss_memory.py [--model gpt2_124m] [--batch 16] [--seq 1024] [--layers N]
+                                   [--remat full|dots]
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import argparse
 import dataclasses
 
 
-def peak_bytes(model: str, batch: int, seq: int, chunks, layers=None) -> tuple[int, bool]:
+def peak_bytes(model: str, batch: int, seq: int, chunks, layers=None,
+               remat: str = "none") -> tuple[int, bool]:
     """(peak bytes, whether a float32 [B, T, V] buffer is in the HLO) of one compiled step."""
     import jax
     import jax.numpy as jnp
@@ -33,6 +35,8 @@ def peak_bytes(model: str, batch: int, seq: int, chunks, layers=None) -> tuple[i
         config = dataclasses.replace(config, num_layers=layers)
     if any(f.name == "loss_chunks" for f in dataclasses.fields(config)):
         config = dataclasses.replace(config, loss_chunks=chunks)
+    if remat != "none":
+        config = dataclasses.replace(config, remat=remat)
     state = jax.eval_shape(lambda: px.TrainState.create(
         px.models.GPT(config, rngs=nnx.Rngs(0)), optax.adamw(1e-3)))
     mesh = px.make_mesh(data=1, devices=jax.devices()[:1])
@@ -54,6 +58,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=None, help="override num_layers")
+    parser.add_argument("--remat", default=None,
+                        help="also compile the chunked loss with this remat policy (full, dots)")
     args = parser.parse_args(argv)
     import jax
 
@@ -68,8 +74,12 @@ def main(argv=None) -> None:
     rows = (("chunked (default)", None), ("whole logits (loss_chunks=1)", 1))
     if not any(f.name == "loss_chunks" for f in dc.fields(px.models.GPTConfig)):
         rows = (("its only loss (no loss_chunks)", None),)  # a parallax before chunking
+    if args.remat:
+        rows = (*rows, (f"chunked, remat={args.remat!r}", None))
     for label, chunks in rows:
-        peak, has_logits = peak_bytes(args.model, args.batch, args.seq, chunks, args.layers)
+        remat = args.remat if label.startswith("chunked, remat") else "none"
+        peak, has_logits = peak_bytes(args.model, args.batch, args.seq, chunks, args.layers,
+                                      remat)
         print(f"{label:<32}{peak / 2**30:>10.2f}  {'yes' if has_logits else 'no'}", flush=True)
 
 

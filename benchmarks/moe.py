@@ -9,7 +9,9 @@ count per step and bytes per device, against the prediction ``4 L G E C D x 4 by
 ``[G, E, C, D]`` slots). Step time is printed too, but on simulated CPU devices it only
 ranks programs of the same run. Part 2 trains 20 steps with and without the Switch
 load-balancing loss and prints, per step, the busiest expert's share of the routing choices
-relative to an even share (1.0 is perfect balance) and the dropped fraction.
+relative to an even share (1.0 is perfect balance) and the dropped fraction. Part 3
+(``benchmarks/moe_dropless.py``) compares dropless padded to ``C = S`` with dropless in
+rounds: all-to-all bytes and matmul FLOPs from the compiled programs, step time alternating.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def main() -> int:
               f"{' '.join(f'{p:.2f}' for p in peaks)}")
         print(f"{'':>17} dropped: first {drops[0]:.1%}, last {drops[-1]:.1%}, "
               f"mean {np.mean(drops):.1%}")
+
+    from moe_dropless import compare  # this folder, on the path when run as a script
+
+    compare()
     return 0
 
 

@@ -40,11 +40,10 @@ def main(argv=None) -> int:
                         choices=["gpipe", "1f1b", "interleaved_1f1b"])
     parser.add_argument("--microbatches", type=int, default=2, help="per data-parallel slice")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
-                        help="compute dtype; auto: bf16 on GPU/TPU, fp32 on CPU")
     from parallax.metrics import add_arguments
+    from parallax.precision import add_arguments as add_precision_argument
 
-    args = add_arguments(parser).parse_args(argv)
+    args = add_arguments(add_precision_argument(parser)).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -56,10 +55,9 @@ def main(argv=None) -> int:
 
     import parallax as px
     from parallax.cli.demo import batches, demo_tokens
-    from parallax.precision import default_compute_dtype
+    from parallax.precision import compute_dtype_from_flag
 
-    compute = {"auto": default_compute_dtype(), "fp32": "float32", "bf16": "bfloat16"}[
-        args.precision]
+    compute = compute_dtype_from_flag(args.precision)  # auto: bf16 on GPU/TPU, fp32 on CPU
     layers = 4 if args.schedule == "interleaved_1f1b" else 2  # 2 chunks on each of 2 stages
     config = px.models.GPTConfig.tiny(num_layers=layers, dtype=compute)
     mesh = px.make_mesh(**mesh_sizes(jax.device_count()))

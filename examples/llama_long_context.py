@@ -38,12 +38,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     parser.add_argument("--method", default="ring", choices=["ring", "all_gather"])
-    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
-                        help="compute dtype; auto: bf16 on GPU/TPU, fp32 on CPU")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--check", action="store_true",
                         help="also train on one device (fp32) and compare the losses")
-    args = parser.parse_args(argv)
+    from parallax.precision import add_arguments as add_precision_argument
+
+    args = add_precision_argument(parser).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -56,10 +56,9 @@ def main(argv=None) -> int:
     import parallax as px
     from parallax.analysis import hlo
     from parallax.cli.demo import batches, demo_tokens
-    from parallax.precision import default_compute_dtype
+    from parallax.precision import compute_dtype_from_flag
 
-    compute = {"auto": default_compute_dtype(), "fp32": "float32", "bf16": "bfloat16"}[
-        args.precision]
+    compute = compute_dtype_from_flag(args.precision)  # auto: bf16 on GPU/TPU, fp32 on CPU
     # The model computes in its own dtype: bf16 needs it there as well as in the policy.
     config = px.models.LlamaConfig.tiny(max_seq_len=args.seq_len, dtype=compute)
     mesh = px.make_mesh(devices=jax.devices()[:8], data=2, context=2, tensor=2)

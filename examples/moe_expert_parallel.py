@@ -8,12 +8,16 @@ capacity). ``px.ExpertParallel("expert")`` splits the experts over the ``expert`
 (and the batch over it too); ``px.DataParallel("data")`` replicates them over ``data``. The
 script prints the all-to-alls of the compiled step (two per MoE layer forward, two
 backward), then trains, printing the loss with the router's auxiliary losses, the dropped
-fraction and the tokens per expert, and checks the loss curve against one device.
+fraction and the tokens per expert, and checks the loss curve against one device. On a GPU
+or TPU it computes in bf16 with fp32 master parameters and optimizer (``px.MixedPrecision``;
+the router stays fp32), on CPU in fp32 (``--precision`` chooses); the comparison's tolerance
+is 1e-4 in fp32, 3e-2 in bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -22,12 +26,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
-    args = parser.parse_args(argv)
+    from parallax.precision import add_arguments as add_precision_argument
+
+    args = add_precision_argument(parser).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
     print(simulate_cpu_devices(8))
     import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
@@ -35,16 +42,21 @@ def main(argv=None) -> int:
     import parallax as px
     from parallax.analysis import hlo
     from parallax.cli.demo import batches, demo_tokens
+    from parallax.precision import compute_dtype_from_flag
+
+    compute = compute_dtype_from_flag(args.precision)  # auto: bf16 on GPU/TPU, fp32 on CPU
 
     moe = px.models.MoEConfig(num_experts=args.experts, top_k=2,
                               capacity_factor=args.capacity_factor)
-    config = px.models.GPTConfig.tiny(num_layers=2, mlp_dim=128, max_seq_len=32, moe=moe)
+    config = px.models.GPTConfig.tiny(num_layers=2, mlp_dim=128, max_seq_len=32, moe=moe,
+                                      dtype=compute)
     expert = 4 if jax.device_count() % 4 == 0 else 1
     mesh = px.make_mesh(data=jax.device_count() // expert, expert=expert)
-    strategy = px.compose(px.DataParallel("data"), px.ExpertParallel("expert"))
+    strategy = px.compose(px.DataParallel("data"), px.ExpertParallel("expert"),
+                          *([px.MixedPrecision(compute=compute)] if compute != "float32" else []))
     data = list(batches(demo_tokens(), 16, config.max_seq_len, args.steps))
 
-    def make_state():
+    def make_state(config=config):
         return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(0)),
                                     optax.adam(3e-3))
 
@@ -70,11 +82,14 @@ def main(argv=None) -> int:
               f", dropped {float(m['dropped_fraction']):.1%}, load/even "
               f"{' '.join(f'{x:.2f}' for x in load)}")
 
-    reference = px.testing.train(make_state, lambda mdl, b: px.models.moe_next_token_loss(
-        mdl, b)[0], data)
+    fp32 = dataclasses.replace(config, dtype=jnp.float32)  # the reference computes in fp32
+    reference = px.testing.train(lambda: make_state(fp32), lambda mdl, b:
+                                 px.models.moe_next_token_loss(mdl, b)[0], data)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference.losses))
-    print(f"loss curve vs one device: largest relative difference {worst:.1e}")
-    return 0 if worst <= 1e-4 else 1
+    tolerance = 1e-4 if compute == "float32" else 3e-2
+    print(f"loss curve vs one device (fp32): largest relative difference {worst:.1e} "
+          f"(tolerance {tolerance:.0e}, {compute})")
+    return 0 if worst <= tolerance else 1
 
 
 if __name__ == "__main__":

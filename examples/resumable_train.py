@@ -12,7 +12,10 @@ the layout of its own ``--strategy`` (which may differ from the one that saved),
 same batches from there on, and so continues the original run. The progress bar shows
 tokens/s per device, MFU and memory, a table sums them up at the end, and ``--logdir`` and
 ``--profile-steps`` work as for ``parallax demo``. Without an accelerator it
-simulates 8 CPU devices.
+simulates 8 CPU devices. On a GPU or TPU it computes in bf16 with fp32 master parameters and
+optimizer (``px.MixedPrecision``), on CPU in fp32 (``--precision`` chooses); the checkpoint
+holds the fp32 state either way, so a run resumed at another ``--precision`` continues from
+the same state but not with the same numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import tempfile
 
 from parallax.cli import simulate_cpu_devices
 from parallax.metrics import add_arguments as px_metrics_arguments
+from parallax.precision import add_arguments as add_precision_argument
+from parallax.precision import compute_dtype_from_flag
 
 
 class TextSampler:
@@ -56,7 +61,7 @@ def main(argv=None) -> list[float]:
     parser.add_argument("--stop-after", type=int, default=None,
                         help="stop after this step without a final save, as a crash would")
     parser.add_argument("--batch", type=int, default=16)
-    args = px_metrics_arguments(parser).parse_args(argv)
+    args = px_metrics_arguments(add_precision_argument(parser)).parse_args(argv)
     print(simulate_cpu_devices(8))
 
     import jax
@@ -67,8 +72,11 @@ def main(argv=None) -> list[float]:
     from parallax.cli import presets
     from parallax.cli.demo import demo_tokens
 
-    config = px.models.GPTConfig.tiny()
+    compute = compute_dtype_from_flag(args.precision)  # auto: bf16 on GPU/TPU, fp32 on CPU
+    config = px.models.GPTConfig.tiny(dtype=compute)
     axes, strategy = presets.parse(args.strategy, devices=jax.device_count())
+    if compute != "float32":  # float32 master parameters and optimizer
+        strategy = px.compose(strategy, px.MixedPrecision(compute=compute))
     mesh = px.make_mesh(**axes, devices=jax.devices()[:math.prod(axes.values())])
 
     def make_state():

@@ -20,6 +20,10 @@ FSDP runs in the ``"gspmd"`` style here: XLA gathers each layer's parameters ins
 layer loop, as PyTorch FSDP does, so the step's peak holds one layer's full parameters at a
 time. The default explicit style gathers them all at the start of the step (the state at
 rest is sharded all the same; see docs/design.md), which needs more memory for a deep model.
+
+On a GPU or TPU it computes in bf16 with fp32 master parameters and optimizer
+(``px.MixedPrecision``, composed with each strategy), on CPU in fp32 (``--precision``
+chooses): the training state is the same 16 bytes per parameter either way.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-per-device", type=float, default=None,
                         help="bytes per device (default: 48e6 on CPU, the device's limit else)")
     from parallax.metrics import add_arguments
+    from parallax.precision import add_arguments as add_precision_argument
 
-    args = add_arguments(parser).parse_args(argv)
+    args = add_arguments(add_precision_argument(parser)).parse_args(argv)
 
     from parallax.cli import simulate_cpu_devices
 
@@ -54,15 +59,20 @@ def main(argv=None) -> int:
     from parallax.planner import setting
     from parallax.planner.predicted import memory as predicted_memory
     from parallax.cli.demo import batches, demo_tokens
+    from parallax.precision import compute_dtype_from_flag
+
+    compute = compute_dtype_from_flag(args.precision)  # auto: bf16 on GPU/TPU, fp32 on CPU
 
     device = jax.devices()[0]
     budget = args.memory_per_device or (
         48e6 if device.platform == "cpu" else (device.memory_stats() or {}).get("bytes_limit"))
     config = px.models.GPTConfig(vocab_size=256, max_seq_len=64, num_layers=args.layers,
-                                 num_heads=4, embed_dim=args.embed, mlp_dim=4 * args.embed)
+                                 num_heads=4, embed_dim=args.embed, mlp_dim=4 * args.embed,
+                                 dtype=compute)
     params = px.models.param_count(config)
     print(f"GPT with {params / 1e6:.2f}M parameters: {16 * params / 1e6:.1f} MB of training "
-          f"state (float32 + Adam); budget {budget / 1e6:.1f} MB per device\n")
+          f"state (float32 + Adam; computing in {compute}); budget {budget / 1e6:.1f} MB per "
+          "device\n")
 
     def make_state():
         return px.TrainState.create(px.models.GPT(config, rngs=nnx.Rngs(0)), optax.adam(1e-3))
@@ -79,6 +89,11 @@ def main(argv=None) -> int:
             return state.apply_gradients(grads), {"loss": loss}
         return step
 
+    def with_precision(strategy):  # float32 master parameters and optimizer in bf16
+        if compute == "float32":
+            return strategy
+        return px.compose(strategy, px.MixedPrecision(compute=compute))
+
     mb = lambda x: f"{x / 1e6:.2f} MB"  # noqa: E731
     print(f"{'strategy':<22}{'params':>10}{'grads':>10}{'Adam':>10}{'compiled peak':>15}  fits")
     chosen = None
@@ -89,6 +104,7 @@ def main(argv=None) -> int:
             [("FSDP + offload",
               px.FSDP("fsdp", style="gspmd", offload=args.offload), True)]
             if args.offload else []):
+        strategy = with_precision(strategy)
         s = setting.read_setting(mesh, strategy, abstract, data[0])
         formula = predicted_memory.state_bytes(s)
         on_host = predicted_memory.offloaded_bytes(s).value  # not device memory

@@ -246,7 +246,8 @@ def _splash(query, key, value, *, causal: bool, scale: float | None):
         return call(query, key, value)
     rules, mesh = ctx.strategy.activation_rules, ctx.mesh
     q_spec = resolve_spec(QUERY_NAMES, query.shape, rules, mesh, api="parallax.attention")
-    kv_spec = resolve_spec(KV_NAMES, key.shape, rules, mesh, api="parallax.attention")
+    kv_names = ctx.strategy.model_hooks.choose_names(KV_NAMES, key.shape, mesh)  # GQA splits
+    kv_spec = resolve_spec(kv_names, key.shape, rules, mesh, api="parallax.attention")
     axes = [a for e in (q_spec[0], q_spec[2]) for a in ((e,) if isinstance(e, str) else e or ())]
     if not axes:
         return call(query, key, value)

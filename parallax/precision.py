@@ -7,7 +7,8 @@ float32), ``grads`` the dtype of the gradients ``px.value_and_grad`` returns, an
 ``reduce`` the dtype their cross-device sum travels in. The gradient with respect to the
 master parameters comes out through the cast, so autodiff needs nothing special. float16
 needs loss scaling (:mod:`parallax.loss_scale`); ``loss_scale="dynamic"`` is its default
-there.
+there. :func:`default_compute_dtype` is what benchmarks and examples compute in by default
+(bf16 on accelerators), :func:`add_arguments` their ``--precision`` flag.
 
 References:
   Micikevicius et al., "Mixed Precision Training", ICLR 2018 (fp32 master weights, loss
@@ -16,6 +17,7 @@ References:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import jax
@@ -132,3 +134,42 @@ def default_compute_dtype(platform: str | None = None) -> str:
     """
     platform = jax.default_backend() if platform is None else platform
     return "bfloat16" if platform.lower() in ACCELERATORS else "float32"
+
+
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # --precision's names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds ``--precision auto|fp32|bf16`` (the examples' compute dtype) to a parser.
+
+    ``auto`` is :func:`default_compute_dtype`: bf16 on a GPU or TPU, float32 on CPU;
+    :func:`compute_dtype_from_flag` turns the choice into a dtype name.
+
+    Example:
+      >>> add_arguments(argparse.ArgumentParser()).parse_args(["--precision", "bf16"]).precision
+      'bf16'
+    """
+    parser.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS],
+                        help="compute dtype; auto: bf16 on GPU/TPU, fp32 on CPU")
+    return parser
+
+
+def compute_dtype_from_flag(precision: str, platform: str | None = None) -> str:
+    """``--precision``'s choice as a dtype name (``"auto"``: the platform's default).
+
+    Example:
+      >>> compute_dtype_from_flag("bf16"), compute_dtype_from_flag("auto", "tpu")
+      ('bfloat16', 'bfloat16')
+      >>> compute_dtype_from_flag("auto", "cpu")
+      'float32'
+      >>> compute_dtype_from_flag("fp16")
+      Traceback (most recent call last):
+      ValueError: parallax.precision.compute_dtype_from_flag: precision='fp16' is not one of
+      'auto', 'fp32', 'bf16'.
+    """
+    if precision == "auto":
+        return default_compute_dtype(platform)
+    if precision not in PRECISIONS:
+        raise ValueError(f"parallax.precision.compute_dtype_from_flag: precision={precision!r}"
+                         f" is not one of 'auto', {', '.join(map(repr, PRECISIONS))}.")
+    return PRECISIONS[precision]

@@ -44,3 +44,4 @@ from process_guard import (  # noqa: E402, F401  (no test leaves a process runni
     _processes_of_each_test_are_stopped, pytest_sessionfinish, pytest_terminal_summary,
     pytest_testnodedown)
 from ray_fixtures import ray_cluster  # noqa: E402, F401  (one Ray cluster per test session)
+from memory_guard import _caches_dropped_after_a_heavy_module  # noqa: E402, F401

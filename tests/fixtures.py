@@ -29,6 +29,23 @@ def mlp_step(mesh, strategy):
     return step
 
 
+def counted_checkpoint_reads(monkeypatch) -> list[tuple[str, int]]:
+    """``(tensor name, bytes)`` of every read ``px.models.from_pretrained`` makes from then
+    on (which slices each device reads)."""
+    from parallax.models.pretrained import checkpoint_files
+
+    reads = []
+    original = checkpoint_files.CheckpointFiles.read
+
+    def counting(self, name, index=None):
+        array = original(self, name, index)
+        reads.append((name, array.nbytes))
+        return array
+
+    monkeypatch.setattr(checkpoint_files.CheckpointFiles, "read", counting)
+    return reads
+
+
 def mlp_batches(steps=STEPS, batch=32):
     rng = np.random.default_rng(0)
     return [

@@ -146,8 +146,9 @@ def trajectory(mesh, strategy, attention, steps=2):
 @pytest.mark.parametrize("tensor", [2, 4])
 def test_the_pallas_kernel_trains_as_xla_does(tensor):
     # GSPMD style (the Pallas kernel runs in its own shard_map over data and tensor).
-    # tensor=2 splits the 4 query heads in 2 and slices each rank's K/V head (K/V heads are
-    # replicated by TensorParallel today); tensor=4: one query head per rank, 2 ranks a K/V head.
+    # tensor=2 splits the 4 query heads and the 2 K/V heads in 2 (each rank its own K/V
+    # head); tensor=4: one query head per rank, the 2 K/V heads kept whole on every rank and
+    # each rank slices its query head's K/V head.
     devices = 2 * tensor
     mesh = px.make_mesh(data=2, tensor=tensor, devices=jax.devices()[:devices])
     strategy = px.compose(px.DataParallel("data", style="gspmd"), px.TensorParallel("tensor"))

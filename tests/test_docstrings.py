@@ -20,7 +20,8 @@ RAY = ("parallax.ps.", "parallax.rpc.", "parallax.ray_cluster.", "parallax.tf.pa
 # Modules whose examples take more than about 2 s of one core (docs/design.md, "Test suite
 # time"): the fast lane (-m "not slow") leaves them out.
 SLOW = {"parallax.horovod.adasum", "parallax.models.gpt", "parallax.nn.layers",
-        "parallax.models.llama", "parallax.nn.llama_layers", "parallax.nn.moe",
+        "parallax.models.llama", "parallax.models.mixtral", "parallax.nn.llama_layers",
+        "parallax.nn.moe",
         "parallax.metrics.evaluation", "parallax.pipeline.update", "parallax.ps.kvstore", "parallax.ps.simple_app",
         "parallax.ps.worker", "parallax.ps.workers", "parallax.strategies.context_parallel.strategy",
         "parallax.strategies.context_parallel.stage_groups",

@@ -16,7 +16,8 @@ def test_compose_merges_rules_and_batch_axes_in_mesh_order():
     s = px.compose(px.TensorParallel("tensor"), px.ZeRO(3, "fsdp"), px.DataParallel("data"))
     assert s.batch_axes == ("data", "fsdp")
     assert s.zero_stage == 3 and s.shard_axis == "fsdp"
-    assert dict(s.rules) == {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+    assert dict(s.rules) == {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+                             "vocab": "tensor"}
     assert s.activation_rules["batch"] == ("data", "fsdp")
     assert s.name == "TensorParallel('tensor') + ZeRO(3, 'fsdp') + DataParallel('data')"
 

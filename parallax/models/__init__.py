@@ -32,6 +32,7 @@ from parallax.models.losses import moe_next_token_loss as moe_next_token_loss
 from parallax.models.mlp import mse_loss as mse_loss
 from parallax.models.pretrained import from_pretrained as from_pretrained
 from parallax.models.pretrained import save_pretrained as save_pretrained
+from parallax.models.generation import generate as generate
 
 __all__ = [
     "GPT",
@@ -46,6 +47,7 @@ __all__ = [
     "block_forward",
     "flops_per_token",
     "from_pretrained",
+    "generate",
     "llama_flops_per_token",
     "llama_param_count",
     "llama_stages",

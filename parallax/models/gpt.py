@@ -39,7 +39,9 @@ from parallax.nn.layers import (
     annotated_param,
     gather_sequence,
 )
-from parallax.nn.chunked_loss import chunked_cross_entropy
+from parallax.models.loss_head import config_token_losses
+from parallax.nn.attention_dropout import (apply_dropout, dropout_layer, is_active,
+                                           refuse_reordered_sequence)
 from parallax.nn.padding import mask_padded_logits, padded_init
 from parallax.activations import constrain
 
@@ -86,6 +88,9 @@ class Block(nnx.Module):
         else:
             self.mlp = MoE(d, config.moe, mlp_dim=config.mlp_dim, rngs=rngs, out_init=resid,
                            **kw)
+        # Made after the parameters: forking the RNG streams then leaves their values alone.
+        self.attn_dropout = dropout_layer(config.attention_dropout, rngs)
+        self.resid_dropout = dropout_layer(config.residual_dropout, rngs)
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
         return block_forward(self, x, segment_ids=segment_ids)
@@ -116,8 +121,11 @@ def block_forward(block: Block, x: jax.Array, *, segment_ids: jax.Array | None =
       (2, 8, 64)
     """
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}  # ParallelGPT's: none
-    x = constrain(x + block.attn(block.ln1(x), **packed), RESIDUAL)
-    return constrain(x + block.mlp(block.ln2(x)), RESIDUAL)
+    probs, resid = getattr(block, "attn_dropout", None), getattr(block, "resid_dropout", None)
+    if probs is not None:
+        packed["probs_dropout"] = probs
+    x = constrain(x + apply_dropout(resid, block.attn(block.ln1(x), **packed)), RESIDUAL)
+    return constrain(x + apply_dropout(resid, block.mlp(block.ln2(x))), RESIDUAL)
 
 
 class GPT(nnx.Module):
@@ -132,6 +140,8 @@ class GPT(nnx.Module):
       ``[B, T, padded_vocab_size]`` (``vocab_size`` unless ``vocab_pad_multiple`` pads it).
       Packed rows (``parallax.data``) also pass ``segment_ids=`` and ``positions=`` (int
       ``[B, T]``): attention stays inside each document and positions restart with it.
+      With ``GPTConfig``'s dropout rates above 0 the model drops as GPT-2 does (embeddings,
+      attention probabilities, residual branches) until ``model.eval()``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -150,6 +160,7 @@ class GPT(nnx.Module):
             raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}.")
         self.config = config
         create_gpt_params(self, config, rngs, lambda rngs: Block(config, rngs=rngs))
+        self.embed_dropout = dropout_layer(config.embed_dropout, rngs)  # after the params
 
     def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Token plus position embeddings: int ``[B, T]`` -> residual stream ``[B, T, D]``
@@ -182,7 +193,16 @@ class GPT(nnx.Module):
         # Under sequence parallelism: all-reduce the vocabulary-parallel lookup, then split
         # the sequence (Megatron's embedding), rather than gathering the table.
         x = gather_sequence(x.astype(self.config.dtype), WHOLE_SEQUENCE)
-        return constrain(x, RESIDUAL)
+        if self.dropout_active():
+            refuse_reordered_sequence("px.models.GPT", "dropout")
+        return constrain(apply_dropout(self.embed_dropout, constrain(x, RESIDUAL)), RESIDUAL)
+
+    def dropout_active(self) -> bool:
+        """Whether a dropout layer of the model would drop (a rate above 0, not after
+        ``model.eval()``)."""
+        layers = (self.embed_dropout, getattr(self.blocks, "attn_dropout", None),
+                  getattr(self.blocks, "resid_dropout", None))
+        return any(map(is_active, layers))
 
     def apply_blocks(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``
@@ -231,11 +251,8 @@ class GPT(nnx.Module):
         with the logits computed ``config.loss_chunks`` chunks of the sequence at a time
         (:func:`parallax.nn.chunked_cross_entropy`): equal to ``cross_entropy(unembed(x),
         labels)``, without ``[B, T, V]`` logits."""
-        w, transposed = self.output_matrix()
-        c = self.config
-        return chunked_cross_entropy(
-            self.final_hidden(x), w, labels, transposed=transposed, chunks=c.loss_chunks,
-            vocab_size=c.vocab_size if c.padded_vocab_size > c.vocab_size else None)
+        return config_token_losses(self.final_hidden(x), self.output_matrix(), labels,
+                                   self.config)
 
     def hidden_states(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None) -> jax.Array:

@@ -18,6 +18,7 @@ from parallax.nn.padding import padded_size
 from parallax.models.remat import check_policy
 
 _SIZES = ("vocab_size", "max_seq_len", "num_layers", "num_heads", "embed_dim", "mlp_dim")
+_RATES = ("embed_dropout", "attention_dropout", "residual_dropout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,17 @@ class GPTConfig:
         in (:func:`parallax.nn.chunked_cross_entropy`; a divisor of the sequence length).
         None (the default) picks the smallest divisor with chunk logits no larger than the
         hidden states; 1 computes all ``[B, T, V]`` logits at once.
+      embed_dropout: GPT-2's ``embd_pdrop``: dropout on the token plus position embeddings.
+      attention_dropout: GPT-2's ``attn_pdrop``: dropout on the attention probabilities
+        (computed by XLA's softmax attention in training, where the fused kernels cannot
+        take the mask; see :mod:`parallax.nn.attention_dropout`).
+      residual_dropout: GPT-2's ``resid_pdrop``: dropout on each block's attention and
+        MLP outputs before they join the residual stream.
+        All three are 0 by default (no dropout, no RNG streams in the model). A rate above
+        0 gives the model ``nnx.Dropout`` layers with their own RNG streams (the
+        ``"dropout"`` stream of the ``nnx.Rngs``, else its default), active until
+        ``model.eval()``; under every strategy the masks are one device's
+        (``docs/models.md``).
 
     Example:
       >>> from parallax.models import GPTConfig
@@ -70,9 +82,18 @@ class GPTConfig:
     moe: MoEConfig | None = None
     remat: str = "none"
     loss_chunks: int | None = None
+    embed_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
 
     def __post_init__(self):
         check_policy(self.remat, "GPTConfig")
+        for field in _RATES:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0.0 <= value < 1.0):
+                raise ValueError(f"GPTConfig: {field} must be a dropout rate in [0, 1), got "
+                                 f"{value!r}; use 0.0 for no dropout (GPT-2 trains with 0.1).")
         check_loss_chunks("GPTConfig", self.loss_chunks)
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"GPTConfig: moe must be a MoEConfig or None, got "
@@ -91,6 +112,11 @@ class GPTConfig:
                 f"num_heads={self.num_heads}; set embed_dim to a multiple of num_heads "
                 f"(e.g. {lower or self.num_heads}) or pick num_heads dividing {self.embed_dim}."
             )
+
+    @property
+    def has_dropout(self) -> bool:
+        """Whether any of the three dropout rates is above 0."""
+        return any(getattr(self, field) > 0 for field in _RATES)
 
     @property
     def head_dim(self) -> int:

@@ -20,6 +20,7 @@ from flax import nnx
 from parallax.activations import constrain
 from parallax.comm.varying import to_varying, varying_axes
 from parallax.models.remat import remat_layer
+from parallax.nn.attention_dropout import apply_dropout
 from parallax.nn.layers import RESIDUAL
 
 
@@ -27,9 +28,12 @@ def moe_block_forward(block, x: jax.Array, segment_ids: jax.Array | None = None
                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One MoE block: ``(residual stream [B, T, D], this layer's router statistics)``."""
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}  # ParallelGPT's: none
-    x = constrain(x + block.attn(block.ln1(x), **packed), RESIDUAL)
+    probs, resid = getattr(block, "attn_dropout", None), getattr(block, "resid_dropout", None)
+    if probs is not None:
+        packed["probs_dropout"] = probs
+    x = constrain(x + apply_dropout(resid, block.attn(block.ln1(x), **packed)), RESIDUAL)
     y, stats = block.mlp(block.ln2(x))
-    return constrain(x + y, RESIDUAL), stats
+    return constrain(x + apply_dropout(resid, y), RESIDUAL), stats
 
 
 STATS_IN_ROW = ("load_balance_loss", "router_z_loss")
@@ -70,9 +74,15 @@ def moe_block_with_stats_row(block, x: jax.Array) -> jax.Array:
 def apply_moe_blocks(model, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """All L MoE blocks as one ``nnx.scan``; the statistics are kept on ``model``.
     (``segment_ids``: packed documents; the router's statistics count padding tokens too.)"""
+    return scan_moe_blocks(model, x, lambda block, x: moe_block_forward(block, x, segment_ids))
+
+
+def scan_moe_blocks(model, x: jax.Array, block_forward) -> jax.Array:
+    """``model.blocks`` as one ``nnx.scan`` of ``block_forward(block, x) -> (x, stats)`` under
+    the config's remat policy; the stacked router statistics are kept on ``model`` (for
+    :func:`take_stats`). The MoE GPT's and the MoE Llama's blocks both run through it."""
     layers = {nnx.PARTITION_NAME: "layers"}
-    forward = remat_layer(lambda block, x: moe_block_forward(block, x, segment_ids),
-                          model.config.remat)
+    forward = remat_layer(block_forward, model.config.remat)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=layers)
     def body(x: jax.Array, block):
@@ -86,10 +96,15 @@ def apply_moe_blocks(model, x: jax.Array, segment_ids: jax.Array | None = None) 
 def take_stats(model) -> dict[str, jax.Array]:
     """The router statistics of the model's last forward pass, removed from the model.
 
+    Works for every model whose scanned MoE blocks sow ``moe_stats`` (the GPT's and the
+    Llama's, ``config.moe``).
+
     Returns:
-      ``load_balance_loss`` and ``router_z_loss`` summed over layers (Switch adds one per
-      MoE layer), ``dropped_fraction`` averaged over layers, and ``expert_load``
-      ``[L, E]``: per layer, the share of routing choices each expert got.
+      ``load_balance_loss`` as ``config.moe.aux_loss`` defines it over the layers
+      (``"switch"``: each layer's summed, as Switch adds one per MoE layer; ``"mixtral"``:
+      :func:`pooled_balance_loss`), ``router_z_loss`` summed over layers,
+      ``dropped_fraction`` averaged over layers, and ``expert_load`` ``[L, E]``: per layer,
+      the share of routing choices each expert got.
 
     Raises:
       ValueError: the model has run no MoE forward pass since the last call.
@@ -98,12 +113,43 @@ def take_stats(model) -> dict[str, jax.Array]:
     if sown is None:
         raise ValueError(
             "moe_next_token_loss: the model holds no router statistics; call it with a GPT "
-            "built from GPTConfig(moe=MoEConfig(...)), whose forward pass records them.")
+            "or Llama built with moe=MoEConfig(...), whose forward pass records them.")
     stats = sown.get_value()
     del model.moe_stats
+    moe = model.config.moe
+    if moe.aux_loss == "mixtral":
+        balance = pooled_balance_loss(stats["expert_load"], stats["expert_importance"],
+                                      moe.top_k)
+    else:
+        balance = jnp.sum(stats["load_balance_loss"])
     return {
-        "load_balance_loss": jnp.sum(stats["load_balance_loss"]),
+        "load_balance_loss": balance,
         "router_z_loss": jnp.sum(stats["router_z_loss"]),
         "dropped_fraction": jnp.mean(stats["dropped_fraction"]),
         "expert_load": stats["expert_load"],
     }
+
+
+def pooled_balance_loss(load: jax.Array, importance: jax.Array, top_k: int) -> jax.Array:
+    """Mixtral's load-balancing loss: ``E sum_e f_e P_e`` over all layers' tokens at once.
+
+    Hugging Face transformers' ``load_balancing_loss_func`` (``modeling_mixtral.py``)
+    concatenates the router logits of every layer, so ``f_e`` (how many of a token's
+    ``top_k`` choices went to expert e, per token: ``top_k`` times the share of choices)
+    and ``P_e`` (the mean router probability) are each averaged over layers and tokens
+    before their product; one loss for the whole model, not one per layer.
+
+    Args:
+      load: ``[L, E]`` per layer, the share of all routing choices each expert got.
+      importance: ``[L, E]`` per layer, each expert's mean router probability.
+      top_k: k, the choices per token.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> even = jnp.full((3, 4), 0.25)             # 3 layers, 4 experts, perfectly even
+      >>> float(pooled_balance_loss(even, even, top_k=2))   # k at balance (Switch's: 1)
+      2.0
+    """
+    num_experts = load.shape[-1]
+    tokens_per_expert = top_k * jnp.mean(load, axis=0)
+    return num_experts * jnp.sum(tokens_per_expert * jnp.mean(importance, axis=0))

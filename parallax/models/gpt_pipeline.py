@@ -64,8 +64,14 @@ def embed_tokens(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     losses, which the MoE blocks add to (:mod:`parallax.models.gpt_moe`).
     """
     x = model.embed(_tokens(batch)[:, :-1])
-    if getattr(getattr(model, "config", None), "moe", None) is None:
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    if moe is None:
         return x
+    if moe.aux_loss != "switch":
+        raise ValueError(
+            f"next_token_stages: an MoE GPT with MoEConfig(aux_loss={moe.aux_loss!r}) pools "
+            "its router statistics over all layers, which a pipeline's stages (one summed "
+            "row of losses) do not carry; use aux_loss='switch' under px.Pipeline.")
     return with_stats_row(x)
 
 

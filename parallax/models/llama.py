@@ -4,7 +4,8 @@ Pre-norm blocks (RMSNorm -> grouped-query attention with rotary positions -> res
 RMSNorm -> SwiGLU MLP -> residual), no position table, no biases, a final RMSNorm and an
 untied output projection (tied optionally). Blocks are built with ``nnx.vmap`` (a leading
 ``"layers"`` axis) and run with ``nnx.scan``; parameters and activations name logical axes
-only, so every strategy that applies to the GPT (DP, ZeRO 1/2/3, HSDP, tensor and sequence
+only (``LlamaConfig(moe=...)``: MoE blocks, Mixtral, :mod:`parallax.models.mixtral`), so
+every strategy that applies to the GPT (DP, ZeRO 1/2/3, HSDP, tensor and sequence
 parallelism, pipelines via :data:`llama_stages`) applies here. ``px.models.next_token_loss``
 is its loss.
 
@@ -33,11 +34,13 @@ from parallax.attention import (in_sequence_order, natural_order, sequence_posit
 from parallax.models.gpt_pipeline import head_loss
 from parallax.nn.layers import RESIDUAL, WHOLE_SEQUENCE, annotated_param, gather_sequence
 from parallax.models.llama_config import LlamaConfig
+from parallax.models.mixtral import apply_mixtral_blocks
 from parallax.models.packed_batch import refuse_packed
 from parallax.models.remat import remat_layer
 from parallax.models.token_checks import check_positions, check_sequence, check_token_ids
-from parallax.nn.chunked_loss import chunked_cross_entropy
+from parallax.models.loss_head import config_token_losses
 from parallax.nn.llama_layers import GroupedQueryAttention, RMSNorm, SwiGLU
+from parallax.nn.moe import MoE
 from parallax.nn.padding import mask_padded_logits, padded_init
 from parallax.nn.rope import rope_frequencies
 from parallax.pipeline.stages import Stages
@@ -77,9 +80,12 @@ class LlamaBlock(nnx.Module):
         inv_freq = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
         self.attn_norm = RMSNorm(c.embed_dim, epsilon=c.norm_eps, **kw)
         self.attn = GroupedQueryAttention(c.embed_dim, c.num_heads, c.num_kv_heads, inv_freq,
-                                          rngs=rngs, **kw)
+                                          rngs=rngs, qkv_bias=c.qkv_bias, **kw)
         self.mlp_norm = RMSNorm(c.embed_dim, epsilon=c.norm_eps, **kw)
-        self.mlp = SwiGLU(c.embed_dim, c.mlp_dim, rngs=rngs, **kw)
+        if c.moe is None:
+            self.mlp = SwiGLU(c.embed_dim, c.mlp_dim, rngs=rngs, **kw)
+        else:  # Mixtral: routed SwiGLU experts (parallax.models.mixtral)
+            self.mlp = MoE(c.embed_dim, c.moe, mlp_dim=c.mlp_dim, rngs=rngs, **kw)
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -183,6 +189,8 @@ class Llama(nnx.Module):
         """Runs all L blocks as one ``nnx.scan``: ``[B, T, D]`` -> ``[B, T, D]``
         (packed documents: ``segment_ids``, ``positions`` ``[B, T]`` in the model's order)."""
 
+        if self.config.moe is not None:  # and keeps the router statistics
+            return apply_mixtral_blocks(self, x, segment_ids, positions)
         layers = {nnx.PARTITION_NAME: "layers"}
         forward = remat_layer(  # config.remat's checkpoint
             lambda block, x: llama_block_forward(block, x, segment_ids=segment_ids,
@@ -217,11 +225,8 @@ class Llama(nnx.Module):
     def token_losses(self, x: jax.Array, labels: jax.Array) -> jax.Array:
         """float32 cross-entropy ``[B, T]`` of the residual stream ``x``, the logits a chunk of
         the sequence at a time (as ``GPT.token_losses``)."""
-        w, transposed = self.output_matrix()
-        c = self.config
-        return chunked_cross_entropy(
-            self.final_hidden(x), w, labels, transposed=transposed, chunks=c.loss_chunks,
-            vocab_size=c.vocab_size if c.padded_vocab_size > c.vocab_size else None)
+        return config_token_losses(self.final_hidden(x), self.output_matrix(), labels,
+                                   self.config)
 
     def hidden_states(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None) -> jax.Array:
@@ -246,6 +251,11 @@ def _first(model: Llama, batch: Mapping[str, jax.Array]) -> jax.Array:
         raise ValueError(f"llama_stages: batch['tokens'] must have shape [batch, seq + 1] with "
                          f"seq >= 1, got {list(tokens.shape)}.")
     refuse_packed("llama_stages", batch, "a pipeline's stages")
+    if model.config.moe is not None:
+        raise ValueError("llama_stages: a Llama with MoE blocks (LlamaConfig(moe=...)) has no "
+                         "pipeline stages yet (its router statistics are not carried between "
+                         "stages); train it without px.Pipeline, or use an MoE GPT, whose "
+                         "stages carry them.")
     return model.embed_tokens(tokens[:, :-1])
 
 

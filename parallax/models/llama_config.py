@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from parallax.models.remat import check_policy
 from parallax.nn.chunked_loss import check_loss_chunks
+from parallax.nn.moe_config import MoEConfig
 from parallax.nn.padding import padded_size
 from parallax.nn.rope import RopeScaling
 
@@ -45,6 +46,10 @@ class LlamaConfig:
         ``"full"``, ``"dots"`` or ``"offload"`` (:mod:`parallax.models.remat`).
       loss_chunks: chunks of the sequence for the loss's logits (as ``GPTConfig``; None
         picks them, 1 computes all logits at once).
+      moe: a ``MoEConfig`` to make every block's MLP a mixture of SwiGLU experts
+        (Mixtral; each expert's width is ``moe.mlp_dim`` or ``mlp_dim``); None (the
+        default) keeps the dense SwiGLU. Train it with ``moe_next_token_loss``.
+      qkv_bias: biases on the q, k and v projections (Qwen2); False (Llama, Mixtral).
 
     Example:
       >>> from parallax.models import LlamaConfig
@@ -68,6 +73,8 @@ class LlamaConfig:
     vocab_pad_multiple: int = 1
     remat: str = "none"
     loss_chunks: int | None = None
+    moe: MoEConfig | None = None
+    qkv_bias: bool = False
 
     def __post_init__(self):
         check_policy(self.remat, "LlamaConfig")
@@ -87,6 +94,10 @@ class LlamaConfig:
                 f"LlamaConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads="
                 f"{self.num_kv_heads} (each key/value head serves a group of query heads); "
                 "pick num_kv_heads dividing num_heads.")
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"LlamaConfig: moe must be a MoEConfig or None, got "
+                            f"{type(self.moe).__name__}: {self.moe!r}; e.g. "
+                            "moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=None).")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"LlamaConfig: rope_scaling must be a RopeScaling or None, got "
                             f"{type(self.rope_scaling).__name__}; e.g. RopeScaling(factor=8.0).")
@@ -137,14 +148,32 @@ class LlamaConfig:
                                 tie_embeddings=True) | overrides)
 
     @classmethod
+    def mixtral_8x7b(cls, **overrides: Any) -> LlamaConfig:
+        """Mixtral 8x7B (46.7B params, 12.9B active): 8 experts of width 14336, top-2,
+        dropless, Mixtral's auxiliary loss (0.02 as its training used it; transformers'
+        config default is 0.001, used only with ``output_router_logits``)."""
+        moe = MoEConfig(num_experts=8, top_k=2, capacity_factor=None, aux_loss="mixtral",
+                        balance_coef=0.02)
+        return cls._preset((32000, 32768, 32, 32, 8, 4096, 14336),
+                           dict(rope_theta=1e6, moe=moe) | overrides)
+
+    @classmethod
     def _preset(cls, sizes: tuple[int, ...], overrides: dict[str, Any]) -> LlamaConfig:
         return cls(**(dict(zip(_SIZES, sizes)) | overrides))
 
 
-def _block_params(c: LlamaConfig) -> int:
+def _block_params(c: LlamaConfig, active: bool = False) -> int:
+    """One block's parameters; ``active``: only those one token's forward pass uses."""
     d, f, k = c.embed_dim, c.mlp_dim, c.head_dim
     attention = 2 * d * c.num_heads * k + 2 * d * c.num_kv_heads * k  # q, o; k, v
-    return attention + 3 * d * f + 2 * d  # gate, up, down; two RMSNorms
+    if c.qkv_bias:  # Qwen2: q [H, K], k and v [G, K]
+        attention += (c.num_heads + 2 * c.num_kv_heads) * k
+    mlp = 3 * d * f  # gate, up, down
+    if c.moe is not None:  # router [D, E]; per expert gate, up [D, F'], down [F', D]
+        m = c.moe
+        used = m.top_k if active else m.num_experts
+        mlp = d * m.num_experts + used * 3 * d * (m.mlp_dim or f) + 3 * d * m.shared_mlp_dim
+    return attention + mlp + 2 * d  # two RMSNorms
 
 
 def llama_param_count(config: LlamaConfig) -> int:
@@ -155,12 +184,15 @@ def llama_param_count(config: LlamaConfig) -> int:
 
     Returns:
       Embedding ``V D``, ``L`` blocks of ``2 D H K + 2 D G K + 3 D F + 2 D``, the final
-      RMSNorm ``D``, and ``D V`` more when the head is not tied.
+      RMSNorm ``D``, and ``D V`` more when the head is not tied. With MoE blocks
+      ``3 D F`` becomes the router's ``D E`` and ``E`` experts' ``3 D F'``.
 
     Example:
       >>> from parallax.models import LlamaConfig, llama_param_count
       >>> llama_param_count(LlamaConfig.llama3_8b())
       8030261248
+      >>> llama_param_count(LlamaConfig.mixtral_8x7b())   # Mixtral 8x7B's 46.7B
+      46702792704
     """
     c = config
     head = 0 if c.tie_embeddings else c.embed_dim * c.padded_vocab_size
@@ -173,6 +205,7 @@ def llama_flops_per_token(config: LlamaConfig, seq_len: int | None = None) -> in
     As ``px.models.flops_per_token`` for the GPT: ``N`` counts every matmul parameter (not
     the embedding lookup; the ``D x V`` output projection, tied or not), and attention's
     scores and weighted sum add ``4 T H K`` forward per layer, over the full ``T x T``.
+    With MoE blocks ``N`` counts the router and the ``top_k`` experts a token uses.
 
     Args:
       config: a ``LlamaConfig``.
@@ -193,5 +226,5 @@ def llama_flops_per_token(config: LlamaConfig, seq_len: int | None = None) -> in
     t = c.max_seq_len if seq_len is None else seq_len
     if t <= 0:
         raise ValueError(f"llama_flops_per_token: seq_len must be positive, got {t}.")
-    n = c.num_layers * _block_params(c) + c.embed_dim + c.embed_dim * c.padded_vocab_size
+    n = c.num_layers * _block_params(c, active=True) + c.embed_dim + c.embed_dim * c.padded_vocab_size
     return 6 * n + 12 * c.num_layers * t * c.num_heads * c.head_dim

@@ -1,7 +1,8 @@
 """The reference models' training losses: next-token cross-entropy, plus MoE's router losses.
 
 ``next_token_loss`` is the loss of ``px.models``' GPT and Llama (and of any callable from
-tokens to logits); ``moe_next_token_loss`` adds the router's auxiliary losses of an MoE GPT.
+tokens to logits); ``moe_next_token_loss`` adds the router's auxiliary losses of an MoE GPT
+or Llama (Mixtral).
 For the reference models the logits are computed a chunk of the sequence at a time
 (:func:`parallax.nn.chunked_cross_entropy`), so no ``[B, T, V]`` float32 buffer exists.
 
@@ -21,6 +22,7 @@ from parallax.attention import whole_labels
 from parallax.models.gpt import GPT
 from parallax.models.gpt_config import GPTConfig
 from parallax.models.gpt_moe import take_stats
+from parallax.models.llama_config import LlamaConfig
 from parallax.models.packed_batch import split_batch
 from parallax.models.token_checks import check_token_ids
 from parallax.nn.loss import cross_entropy
@@ -75,10 +77,12 @@ def moe_next_token_loss(model: GPT, batch: Mapping[str, jax.Array]):
     """``next_token_loss`` plus the MoE router's auxiliary losses, with the statistics.
 
     For ``loss_fn`` with ``has_aux=True``: the loss is the cross-entropy plus
-    ``balance_coef * load_balance_loss + z_coef * router_z_loss`` (summed over layers).
+    ``balance_coef * load_balance_loss + z_coef * router_z_loss``, over the layers as
+    ``moe.aux_loss`` says (``"switch"``: each layer's summed; ``"mixtral"``: one
+    balancing loss pooled over all layers, as transformers' Mixtral, and no z-loss).
 
     Args:
-      model: a ``GPT`` whose config has ``moe=MoEConfig(...)``.
+      model: a ``GPT`` or ``Llama`` whose config has ``moe=MoEConfig(...)``.
       batch: ``{"tokens": int [B, T + 1]}``.
 
     Returns:
@@ -99,9 +103,11 @@ def moe_next_token_loss(model: GPT, batch: Mapping[str, jax.Array]):
     References:
       Fedus et al. 2021, "Switch Transformers"; Zoph et al. 2022, "ST-MoE".
     """
-    if not isinstance(getattr(model, "config", None), GPTConfig) or model.config.moe is None:
-        raise ValueError("moe_next_token_loss: the model must be a GPT built from "
-                         "GPTConfig(moe=MoEConfig(...)); use next_token_loss for a dense GPT.")
+    config = getattr(model, "config", None)
+    if not isinstance(config, (GPTConfig, LlamaConfig)) or config.moe is None:
+        raise ValueError("moe_next_token_loss: the model must be a GPT or Llama built with "
+                         "moe=MoEConfig(...) (GPTConfig or LlamaConfig); use next_token_loss "
+                         "for a dense model.")
     ce = next_token_loss(model, batch)
     stats = take_stats(model)
     loss = ce + aux_loss(stats, model.config.moe)

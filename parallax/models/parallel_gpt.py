@@ -41,7 +41,7 @@ from parallax.nn import regions
 from parallax.nn.attention import ParallelSelfAttention
 from parallax.nn.embedding import vocab_parallel_embed, vocab_parallel_logits
 from parallax.nn.linear import ParallelMLP
-from parallax.nn.loss import vocab_parallel_cross_entropy
+from parallax.nn.chunked_loss import chunked_cross_entropy
 
 
 class ParallelBlock(nnx.Module):
@@ -80,6 +80,13 @@ class ParallelGPT(nnx.Module):
                  sequence_parallel: bool = False):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"ParallelGPT: config must be a GPTConfig, got {type(config).__name__}.")
+        if config.has_dropout:
+            raise ValueError(
+                "ParallelGPT: GPTConfig's dropout (embed_dropout="
+                f"{config.embed_dropout}, attention_dropout={config.attention_dropout}, "
+                f"residual_dropout={config.residual_dropout}) is not built into the explicit "
+                "Megatron GPT; train px.models.GPT under px.TensorParallel (one device's "
+                "masks), or set the three rates to 0.")
         self.config, self.axis, self.sequence_parallel = config, axis, sequence_parallel
         create_gpt_params(self, config, rngs, lambda rngs: ParallelBlock(
             config, rngs=rngs, axis=axis, sequence_parallel=sequence_parallel))
@@ -110,11 +117,17 @@ class ParallelGPT(nnx.Module):
     def unembed(self, x: jax.Array) -> jax.Array:
         """Final LayerNorm and this rank's float32 logits (tied or separate head)."""
         x = self.ln_f(x)
-        table, transposed = (self.wte[...], False) if self.head is None else (self.head[...], True)
+        table, transposed = self.output_matrix()
         return vocab_parallel_logits(
-            x, jnp.asarray(table, self.config.dtype), axis=self.axis,
+            x, table, axis=self.axis,
             vocab_size=self.config.vocab_size, sequence_parallel=self.sequence_parallel,
             transposed=transposed)
+
+    def output_matrix(self) -> tuple[jax.Array, bool]:
+        """``(table, transposed)`` in the compute dtype: the tied embedding ``[V, D]`` or the
+        separate head ``[D, V]`` (this rank's vocabulary slice inside ``shard_map``)."""
+        table = self.wte[...] if self.head is None else self.head[...]
+        return jnp.asarray(table, self.config.dtype), self.head is not None
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.unembed(self.apply_blocks(self.embed(tokens)))
@@ -122,6 +135,10 @@ class ParallelGPT(nnx.Module):
 
 def parallel_next_token_loss(model: ParallelGPT, batch: Mapping[str, jax.Array]) -> jax.Array:
     """``px.models.next_token_loss`` from vocabulary-parallel logits (no full logits anywhere).
+
+    Each rank computes its vocabulary slice's logits ``config.loss_chunks`` chunks of the
+    sequence at a time (:func:`parallax.nn.chunked_cross_entropy`, three all-reduces of
+    ``[B, T / n]`` per chunk), so no rank holds its ``[B, T, V / T]`` float32 logits whole.
 
     Args:
       model: a ``ParallelGPT``.
@@ -135,5 +152,16 @@ def parallel_next_token_loss(model: ParallelGPT, batch: Mapping[str, jax.Array])
         raise ValueError("parallel_next_token_loss: batch['tokens'] must have shape "
                          f"[batch, seq + 1] with seq >= 1, got {list(tokens.shape)}.")
     refuse_packed("parallel_next_token_loss", batch, "ParallelGPT")
-    logits = model(tokens[:, :-1])
-    return jnp.mean(vocab_parallel_cross_entropy(logits, tokens[:, 1:], axis=model.axis))
+    c = model.config
+    x = model.ln_f(model.apply_blocks(model.embed(tokens[:, :-1])))
+    # Megatron's f before the vocabulary-parallel head (or, sequence-parallel, the gather):
+    # every rank needs every position; the backward sums the ranks' d x.
+    if model.sequence_parallel:
+        x = regions.gather_from_sequence(x, model.axis, 1)
+    else:
+        x = regions.copy_to_tensor(x, model.axis)
+    table, transposed = model.output_matrix()
+    losses = chunked_cross_entropy(x, table, tokens[:, 1:],
+                                   transposed=transposed, vocab_size=c.vocab_size,
+                                   chunks=c.loss_chunks, axis=model.axis)
+    return jnp.mean(losses)

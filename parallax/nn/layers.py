@@ -4,10 +4,10 @@ Every parameter made here carries one logical name per dimension (``out_sharding
 and ``eager_sharding=False``, so the models build on one device with no mesh: flax 0.12
 would otherwise try to shard an annotated variable the moment it is created, and raise
 outside a mesh. A strategy reads the names later and shards the state itself (``px.init``).
+(A little over 300 lines: the GPT's building blocks, one family kept in one place.)
 
 References:
-  Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using
-  Model Parallelism", 2019 (the column/row naming of kernels).
+  Shoeybi et al., "Megatron-LM", 2019 (the column/row naming of kernels).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from flax import nnx
 
 from parallax import context
 from parallax.activations import constrain
-from parallax.attention import dot_product_attention
+from parallax.nn.attention_dropout import attention_with_dropout
+from parallax.nn.kv_cache import cached_attention
 from parallax.rules import resolve_spec
 
 Initializer = nnx.initializers.Initializer
@@ -249,14 +250,20 @@ class CausalSelfAttention(nnx.Module):
         self.value_bias = annotated_param(zeros, None, (h, k), ("heads", "kv"), param_dtype)
         self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), kernel_init=out_init, **kw)
 
-    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
-        """``segment_ids`` ``[B, T]``: packed documents, attended to separately."""
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                 probs_dropout: nnx.Dropout | None = None, cache=None):
+        """``segment_ids`` ``[B, T]``: packed documents, attended to separately;
+        ``probs_dropout``: dropout on the probabilities (:mod:`parallax.nn.attention_dropout`);
+        ``cache``: a :class:`parallax.nn.kv_cache.KVCache` (decoding), then ``(y, cache)``."""
         dtype = self.qkv.dtype or x.dtype
         qkv = self.qkv(gather_sequence(x, WHOLE_SEQUENCE))  # [B, T, 3, H, K]: one matmul
         q = constrain(qkv[..., 0, :, :] + jnp.asarray(self.query_bias[...], dtype), HEADS)
         k = constrain(qkv[..., 1, :, :], HEADS)
         v = constrain(qkv[..., 2, :, :] + jnp.asarray(self.value_bias[...], dtype), HEADS)
-        y = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, T, H, K]
+        if cache is not None:
+            y, cache = cached_attention(q, k, v, cache, HEADS)
+            return self.out(constrain(y, HEADS)), cache
+        y = attention_with_dropout(q, k, v, probs_dropout, segment_ids=segment_ids)  # [B,T,H,K]
         return self.out(constrain(y, HEADS))
 
 

@@ -4,7 +4,7 @@ Built from :mod:`parallax.nn.layers` (``Dense``, ``annotated_param``), with the 
 logical names as the GPT's layers: query heads ``"heads"`` (split under tensor
 parallelism), key/value heads ``"kv_heads"`` (split when the tensor size divides them,
 replicated otherwise, as ``px.TensorParallel`` treats grouped-query attention), the MLP's
-hidden width ``"mlp"``. No biases anywhere.
+hidden width ``"mlp"``. No biases, except Qwen2's on q, k and v (``qkv_bias=True``).
 
 Projections that read the same input are fused: k and v are one kernel ``[D, 2, G, K]``,
 SwiGLU's gate and up one kernel ``[D, 2, F]``, each one matmul. The stacked axis (2) is never
@@ -28,6 +28,7 @@ from flax import nnx
 
 from parallax.activations import constrain
 from parallax.attention import dot_product_attention
+from parallax.nn.kv_cache import cached_attention
 from parallax.nn.layers import (HEADS, WHOLE_SEQUENCE, Dense, Names, annotated_param,
                                 gather_sequence)
 from parallax.nn.rope import apply_rotary
@@ -89,6 +90,8 @@ class GroupedQueryAttention(nnx.Module):
       kernel_init: init of the kernels.
       dtype: compute dtype; None keeps the input's.
       param_dtype: storage dtype of the params.
+      qkv_bias: biases on the q, k and v projections (Qwen2), ``query.bias [H, K]`` and
+        ``key_value.bias [2, G, K]``; the output projection has none.
 
     Example:
       >>> import jax.numpy as jnp
@@ -103,23 +106,29 @@ class GroupedQueryAttention(nnx.Module):
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, inv_freq: np.ndarray,
                  *, rngs: nnx.Rngs,
                  kernel_init: Initializer = nnx.initializers.normal(0.02),
-                 dtype: jnp.dtype | None = None, param_dtype: jnp.dtype = jnp.float32):
+                 dtype: jnp.dtype | None = None, param_dtype: jnp.dtype = jnp.float32,
+                 qkv_bias: bool = False):
         d, h, g, k = embed_dim, num_heads, num_kv_heads, embed_dim // num_heads
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=False,
-                  kernel_init=kernel_init)
-        self.query = Dense((d,), (h, k), ("embed", "heads", "kv"), **kw)
-        self.key_value = Dense((d,), (2, g, k), KEY_VALUE, **kw)  # k and v: one matmul
-        self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), **kw)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init)
+        self.query = Dense((d,), (h, k), ("embed", "heads", "kv"), use_bias=qkv_bias, **kw)
+        self.key_value = Dense((d,), (2, g, k), KEY_VALUE, use_bias=qkv_bias,
+                               **kw)  # k and v: one matmul
+        self.out = Dense((h, k), (d,), ("heads", "kv", "embed"), use_bias=False, **kw)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
 
     def __call__(self, x: jax.Array, positions: jax.Array, *,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, cache=None):
+        """``cache``: a :class:`parallax.nn.kv_cache.KVCache` (decoding; ``positions`` those
+        of the new tokens), then ``(y, updated cache)``."""
         x = gather_sequence(x, WHOLE_SEQUENCE)
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q = constrain(apply_rotary(self.query(x), positions, inv_freq), HEADS)
         kv = self.key_value(x)  # [B, T, 2, G, K]
         k = constrain(apply_rotary(kv[..., 0, :, :], positions, inv_freq), KV_HEADS)
         v = constrain(kv[..., 1, :, :], KV_HEADS)
+        if cache is not None:
+            y, cache = cached_attention(q, k, v, cache, KV_HEADS)
+            return self.out(constrain(y, HEADS)), cache
         y = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, T, H, K]
         return self.out(constrain(y, HEADS))
 

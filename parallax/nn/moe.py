@@ -12,9 +12,11 @@ Two ways to reach the experts:
   and the outputs are combined back with the gates; choices past an expert's capacity are
   dropped (their MoE output is zero);
 - dropless (``capacity_factor=None``): the ``N k`` choices are sorted by expert and the
-  experts run as grouped matmuls with ``jax.lax.ragged_dot`` (MegaBlocks' idea); where
-  that is missing, or under expert parallelism, every expert gets ``S`` slots per sequence
-  (padded: nothing can drop, at ``E / k`` times the compute and traffic).
+  experts run as grouped matmuls with ``jax.lax.ragged_dot`` (MegaBlocks' idea); under
+  expert parallelism in the explicit style, in rounds of each expert's even share of slots,
+  as many as the busiest expert needs (``parallax.nn.moe_dropless``); where ``ragged_dot``
+  is missing, or in the GSPMD style, every expert gets ``S`` slots per sequence (padded:
+  nothing can drop, at ``E / k`` times the compute and traffic).
 
 Under a strategy with an expert axis (``px.ExpertParallel``) the ``[G, E, C, D]`` slots go
 through the strategy's exchange (two all-to-alls, ``parallax.strategies.expert_dispatch``),
@@ -40,6 +42,7 @@ from parallax import context
 from parallax.comm.varying import to_varying
 from parallax.nn.layers import annotated_param
 from parallax.nn.moe_config import MoEConfig
+from parallax.nn.moe_dropless import dropless_in_rounds
 from parallax.nn.moe_routing import dispatch_tensors, route, router_stats
 
 Initializer = nnx.initializers.Initializer
@@ -129,14 +132,19 @@ class MoE(nnx.Module):
         routing = route(logits, c.top_k, c.score)
         weights = [w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down)]
         exchange = expert_exchange(c.num_experts)
-        if c.dropless and exchange is None and hasattr(lax, "ragged_dot"):
+        run = lambda t: swiglu_experts(t, *weights)  # noqa: E731 - the local experts
+        axis = manual_expert_axis()
+        if c.dropless and axis is not None:  # sized by the real loads, not padded to S
+            y, _ = dropless_in_rounds(x, routing.experts, routing.gates, run, exchange, axis,
+                                      c.num_experts, manual_batch_axes())
+            kept = jnp.ones(routing.experts.shape, bool)
+        elif c.dropless and exchange is None and hasattr(lax, "ragged_dot"):
             y = grouped_experts(x, routing, weights)
             kept = jnp.ones(routing.experts.shape, bool)
         else:
             capacity = c.capacity(x.shape[1])
             dispatch, combine, kept = dispatch_tensors(routing, c.num_experts, capacity)
             slots = jnp.einsum("gsec,gsd->gecd", dispatch.astype(dtype), x)
-            run = lambda t: swiglu_experts(t, *weights)  # noqa: E731 - the local experts
             out = run(slots) if exchange is None else exchange(slots, run)
             y = jnp.einsum("gsec,gecd->gsd", combine.astype(dtype), out)
         if self.shared_gate is not None:
@@ -189,14 +197,35 @@ def expert_exchange(num_experts: int):
     return lambda slots, run: experts.exchange(slots, run)
 
 
+def manual_expert_axis() -> str | None:
+    """The expert axis when this trace is manual over it (the explicit style), else None.
+
+    None in a pipeline stage too: there dropless pads (the rounds' conditional did not
+    trace through the pipeline runtime's replay of a stage, jax 0.10).
+    """
+    ctx = context.current()
+    experts = None if ctx is None else ctx.strategy.experts
+    if experts is None or experts.axis not in ctx.manual_axes:
+        return None
+    if ctx.strategy.rule_table.get("layers") in ctx.manual_axes:
+        return None
+    return experts.axis
+
+
+def manual_batch_axes() -> tuple[str, ...]:
+    """The active step's batch axes that this trace is manual over (none outside a step)."""
+    ctx = context.current()
+    if ctx is None:
+        return ()
+    return tuple(a for a in ctx.strategy.batch_axes if a in ctx.manual_axes)
+
+
 def batch_mean():
     """``x -> x`` averaged over the batch shards of the active step (identity otherwise).
 
     The identity in a pipeline stage too: there the statistics are per shard and micro-batch.
     """
-    ctx = context.current()
-    axes = () if ctx is None else tuple(a for a in ctx.strategy.batch_axes
-                                        if a in ctx.manual_axes)
+    ctx, axes = context.current(), manual_batch_axes()
     if not axes:
         return lambda x: x
     shards = 1
@@ -213,6 +242,9 @@ def batch_mean():
 def aux_loss(stats: dict[str, jax.Array], config: MoEConfig) -> jax.Array:
     """``balance_coef * load_balance_loss + z_coef * router_z_loss``, to add to the loss.
 
+    ``z_coef`` is the one in effect (:attr:`MoEConfig.router_z_coef`: none under Mixtral's
+    convention). ``stats`` are a model's, over its layers, as its loss gives them.
+
     Example:
       >>> import jax.numpy as jnp
       >>> round(float(aux_loss({"load_balance_loss": jnp.float32(1.0),
@@ -220,4 +252,4 @@ def aux_loss(stats: dict[str, jax.Array], config: MoEConfig) -> jax.Array:
       0.012
     """
     return (config.balance_coef * stats["load_balance_loss"]
-            + config.z_coef * stats["router_z_loss"])
+            + config.router_z_coef * stats["router_z_loss"])

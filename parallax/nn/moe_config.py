@@ -14,6 +14,8 @@ import dataclasses
 import math
 
 SCORES = ("softmax", "sigmoid")
+AUX_LOSSES = ("switch", "mixtral")
+DEFAULT_Z_COEF = 0.001  # ST-MoE's weight of the z-loss, under aux_loss="switch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +35,21 @@ class MoEConfig:
       score: ``"softmax"`` (Switch, GShard) or ``"sigmoid"`` (DeepSeek-V3) router scores.
       shared_mlp_dim: hidden width of a shared SwiGLU expert every token also goes through
         (DeepSeek's shared expert); 0 for none.
-      balance_coef: weight of the Switch load-balancing loss in ``aux_loss``.
-      z_coef: weight of the ST-MoE router z-loss in ``aux_loss``.
+      balance_coef: weight of the load-balancing loss in ``aux_loss``.
+      z_coef: weight of the ST-MoE router z-loss in ``aux_loss``; None: 0.001 under
+        ``aux_loss="switch"``, 0 under ``"mixtral"`` (which has no z-loss and refuses one).
+      aux_loss: which auxiliary loss convention the model's loss adds (over all MoE
+        layers): ``"switch"`` (parallax's default: per layer Switch's ``E sum_e f_e P_e``
+        with ``f_e`` the share of all ``k N`` choices, summed over layers, plus the
+        z-loss) or ``"mixtral"`` (Mixtral's as Hugging Face transformers computes it:
+        ``f_e`` the choices per token, so ``k`` times Switch's, and ``f`` and ``P`` pooled
+        over the layers before their product; no z-loss).
 
     Raises:
       TypeError: a size is not an int, or a coefficient is not a number.
       ValueError: ``num_experts < 1``, ``top_k`` not 1 or 2, ``top_k > num_experts``,
-        ``capacity_factor <= 0``, an unknown score, a negative size or coefficient.
+        ``capacity_factor <= 0``, an unknown score or ``aux_loss``, a negative size or
+        coefficient, a z-loss with ``aux_loss="mixtral"``.
 
     Example:
       >>> from parallax.nn import MoEConfig
@@ -54,7 +64,8 @@ class MoEConfig:
     score: str = "softmax"
     shared_mlp_dim: int = 0
     balance_coef: float = 0.01
-    z_coef: float = 0.001
+    z_coef: float | None = None
+    aux_loss: str = "switch"
 
     def __post_init__(self):
         api = "MoEConfig"
@@ -91,12 +102,29 @@ class MoEConfig:
                     "None for dropless routing.")
         if self.score not in SCORES:
             raise ValueError(f"{api}: score={self.score!r} must be one of {SCORES}.")
+        if self.aux_loss not in AUX_LOSSES:
+            raise ValueError(f"{api}: aux_loss={self.aux_loss!r} must be one of {AUX_LOSSES} "
+                             "('switch': per-layer Switch loss plus z-loss; 'mixtral': "
+                             "Mixtral's pooled loss as transformers computes it).")
+        if self.aux_loss == "mixtral" and self.z_coef:
+            raise ValueError(f"{api}: z_coef={self.z_coef} with aux_loss='mixtral': Mixtral's "
+                             "auxiliary loss has no router z-loss; leave z_coef=None (or 0), "
+                             "or use aux_loss='switch'.")
         for field in ("balance_coef", "z_coef"):
             value = getattr(self, field)
+            if value is None and field == "z_coef":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{api}: {field} must be a number, got {value!r}.")
             if value < 0:
                 raise ValueError(f"{api}: {field}={value} must be >= 0.")
+
+    @property
+    def router_z_coef(self) -> float:
+        """The z-loss weight in effect (``z_coef``, or the convention's default)."""
+        if self.z_coef is not None:
+            return self.z_coef
+        return DEFAULT_Z_COEF if self.aux_loss == "switch" else 0.0
 
     @property
     def dropless(self) -> bool:

@@ -116,7 +116,9 @@ def router_stats(logits: jax.Array, routing: Routing, kept: jax.Array, num_exper
 
     Returns:
       ``{"load_balance_loss", "router_z_loss", "dropped_fraction"}`` (float32 scalars)
-      and ``"expert_load"``: ``[E]``, the fraction of choices that picked each expert.
+      and ``"expert_load"``: ``[E]``, the fraction of choices that picked each expert
+      (``f_e``), ``"expert_importance"``: ``[E]``, the mean router probability of each
+      expert (``P_e``); a model pools these two over its layers for Mixtral's loss.
     """
     chosen = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # [G, S, k, E]
     load = global_mean(jnp.mean(chosen, axis=(0, 1, 2)))  # f_e: shares of all k * N choices
@@ -127,4 +129,5 @@ def router_stats(logits: jax.Array, routing: Routing, kept: jax.Array, num_exper
         "router_z_loss": global_mean(jnp.mean(z * z)),
         "dropped_fraction": global_mean(1.0 - jnp.mean(kept.astype(jnp.float32))),
         "expert_load": load,
+        "expert_importance": importance,
     }

@@ -66,10 +66,12 @@ REASONS = {
                      "layer) gets its gradient whole; the labels' shift moves a few token ids",
     "context gradients": "GSPMD sums the gradients over the context axis itself: it may "
                          "gather an activation instead (embedding, output layer: then "
-                         "that gradient is not all-reduced) or sum a leaf in two parts",
+                         "that gradient is not all-reduced) or sum a leaf in several parts (a tied or "
+                         "chunked-loss output matrix: its lookup and each chunk's part)",
     "moe flops": "MoE: the experts compute E C slots per sequence (capacity_factor S k, "
-                 "not S k) and GShard's dispatch and combine einsums are matmuls too; the "
-                 "formula counts the k active experts per token",
+                 "not S k; dropless in rounds, E c per round and device) and GShard's "
+                 "dispatch and combine einsums are matmuls too; the formula counts the k "
+                 "active experts per token",
     "ring flops": "ring attention computes (n+1)/2n of the T x T scores (causal zigzag "
                   "blocks) and its backward recomputes the scores (7 attention matmuls to "
                   "the formula's 6)",
@@ -140,7 +142,8 @@ def _memory_rows(s: StepSetting, compiled, state, batch, found, counts,
         Row(MEMORY, "gradients", predicted["gradients"].value,
             _measured_gradients(found, counts, s), how=predicted["gradients"].how,
             reason="measured as the synchronised gradients' collectives" + (
-                "; GSPMD sums a tied embedding's two parts apart over the context axis"
+                "; GSPMD sums the embedding's and output matrix's gradients over the "
+                "context axis in several parts (the lookup's, the chunked loss's)"
                 if s.context_axis else "")),
     ]
     args = (predicted["parameters"].value + predicted["optimizer state"].value

@@ -10,6 +10,16 @@ when parallax is imported before ray. So :func:`loopback_only` turns the switch 
 duration of ``ray.init`` itself: the variable (read by the processes Ray starts) and the value
 Ray already read (read by the driver's ``ray.init``), both restored afterwards.
 
+The same context turns Ray's usage statistics off unless the user chose
+(``RAY_USAGE_STATS_ENABLED``, read by the processes Ray starts): Ray reports them to its
+servers by default, and a local cluster parallax starts does not talk beyond the machine.
+One request it cannot switch off: Ray 2.60's dashboard process (started even with
+``include_dashboard=False``, which loads only its usage-statistics module) asks the cloud
+metadata address 169.254.169.254 once at start which cloud it runs on, whether or not usage
+statistics are on (``ray/dashboard/modules/usage_stats/usage_stats_head.py``, ``run``;
+``ray/_common/usage/usage_lib.py``, ``get_cloud_from_metadata_requests``, 1 s timeouts). It
+listens on nothing and sends nothing of the user's; docs/parameter_server.md, "Safety".
+
 The switch is Ray's (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``, no public API sets it
 after import), so a Ray release may move it: :func:`exposed_listeners` reads what the
 cluster's processes really listen on (Linux ``/proc``), and ``init_cluster`` stops a cluster
@@ -31,22 +41,25 @@ from typing import NamedTuple
 
 LOOPBACK = "127.0.0.1"
 SINGLE_NODE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+USAGE_STATS_SWITCH = "RAY_USAGE_STATS_ENABLED"
 
 
 @contextlib.contextmanager
 def loopback_only() -> Iterator[None]:
-    """Ray's single-machine mode while the body runs (a local ``ray.init``), then as it was.
+    """Ray's single-machine mode, and its usage statistics off unless the user set them,
+    while the body runs (a local ``ray.init``); then the environment as it was.
 
     Example:
       >>> import os
       >>> with loopback_only():
-      ...     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
-      '0'
+      ...     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"], os.environ["RAY_USAGE_STATS_ENABLED"]
+      ('0', '0')
     """
     constants = importlib.import_module("ray._private.ray_constants")
-    saved_variable = os.environ.get(SINGLE_NODE_SWITCH)
+    saved = {name: os.environ.get(name) for name in (SINGLE_NODE_SWITCH, USAGE_STATS_SWITCH)}
     saved_flag = getattr(constants, "ENABLE_RAY_CLUSTER", None)
     os.environ[SINGLE_NODE_SWITCH] = "0"
+    os.environ.setdefault(USAGE_STATS_SWITCH, "0")  # the user's explicit choice stands
     if saved_flag is not None:
         constants.ENABLE_RAY_CLUSTER = False
     try:
@@ -54,10 +67,11 @@ def loopback_only() -> Iterator[None]:
     finally:
         if saved_flag is not None:
             constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_variable is None:
-            os.environ.pop(SINGLE_NODE_SWITCH, None)
-        else:
-            os.environ[SINGLE_NODE_SWITCH] = saved_variable
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def is_loopback_host(host: str) -> bool:

@@ -32,6 +32,7 @@ OWN_PROCESS = {"ps_async_train.py", "ps_embedding.py"}  # Ray: a local cluster o
 COVERED = {  # run (and checked against one device) by these tests
     "horovod_train.py": "tests/horovod/programs/collectives.py",  # under parallax launch
     "resumable_train.py": "tests/checkpoint/test_example.py",  # stopped, resumed, bitwise
+    "finetune_pretrained.py": "tests/examples/test_finetune_pretrained.py",  # resumed, --check
     "stock_cnn.py": "tests/byom/test_example.py",  # against a plain nnx loop
 }
 EXTRA = {"pipeline_schedules.py": ["--plot-dir", "{tmp}"],

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import fixtures as fx
 import parallax as px
 from parallax.models import GPT, GPTConfig, from_pretrained, save_pretrained
-from parallax.models.pretrained import checkpoint_files
+from parallax.models.pretrained.config_warnings import PretrainedConfigWarning
 
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 16)).astype(np.int32)
 MESH_AXES = dict(data=2, fsdp=2, tensor=2)
@@ -50,15 +51,7 @@ def test_save_then_load_is_the_identity_in_any_layout(tmp_path):
 def test_each_device_reads_only_its_slice(tmp_path, monkeypatch):
     model = ours()
     save_pretrained(tmp_path, model)
-    reads = []
-    original = checkpoint_files.CheckpointFiles.read
-
-    def counting(self, name, index=None):
-        array = original(self, name, index)
-        reads.append((name, array.nbytes))
-        return array
-
-    monkeypatch.setattr(checkpoint_files.CheckpointFiles, "read", counting)
+    reads = fx.counted_checkpoint_reads(monkeypatch)
     mesh = px.make_mesh(**MESH_AXES)
     loaded = from_pretrained(tmp_path, mesh=mesh, strategy=strategy())
     fc = loaded.blocks.mlp.fc.kernel[...]  # [L, D, F] over fsdp x tensor: a quarter per device
@@ -102,6 +95,16 @@ def test_dtype_casts_the_stored_parameters(tmp_path):
     save_pretrained(tmp_path, ours())
     loaded = from_pretrained(tmp_path, dtype=jnp.bfloat16)
     assert loaded.blocks.mlp.fc.kernel.dtype == jnp.bfloat16
+
+
+def test_compute_dtype_sets_the_compute_and_keeps_the_parameters(tmp_path):
+    save_pretrained(tmp_path, GPT(GPTConfig.tiny(num_layers=1), rngs=nnx.Rngs(0)))
+    model = from_pretrained(tmp_path, compute_dtype="bfloat16")
+    assert model.config.dtype == jnp.bfloat16 and model.config.param_dtype == jnp.float32
+    assert model.blocks.mlp.fc.kernel[...].dtype == jnp.float32
+    assert model(jnp.ones((1, 4), jnp.int32)).dtype == jnp.float32  # float32 logits
+    hidden = model.hidden_states(jnp.ones((1, 4), jnp.int32))
+    assert hidden.dtype == jnp.bfloat16
 
 
 def test_bad_checkpoints_get_clear_errors(tmp_path):
@@ -149,9 +152,12 @@ def hf_logits(torch, model, tokens):
 @pytest.mark.slow
 def test_transformers_gpt2_loads_with_the_same_logits(tmp_path):
     torch, _, hf = hf_gpt2()
-    hf.save_pretrained(tmp_path)  # transformers' own files
+    hf.save_pretrained(tmp_path)  # transformers' own files, with GPT-2's dropout of 0.1
     mesh = px.make_mesh(**MESH_AXES)
-    loaded = from_pretrained(tmp_path, mesh=mesh, strategy=strategy())
+    with pytest.warns(PretrainedConfigWarning, match=r"asks for dropout \(embd_pdrop=0.1"):
+        loaded = from_pretrained(tmp_path, mesh=mesh, strategy=strategy())
+    assert loaded.config.attention_dropout == 0.1 and loaded.dropout_active()
+    loaded.eval()  # as transformers' model is
     np.testing.assert_allclose(np.asarray(loaded(TOKENS)), hf_logits(torch, hf, TOKENS),
                                rtol=1e-5, atol=1e-5)
 
@@ -163,3 +169,15 @@ def test_our_gpt_saves_into_transformers_with_the_same_logits(tmp_path):
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     np.testing.assert_allclose(hf_logits(torch, hf, TOKENS), np.asarray(model(TOKENS)),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_sliding_window_is_refused(tmp_path):
+    model = px.models.Llama(px.models.LlamaConfig(
+        vocab_size=96, max_seq_len=16, num_layers=1, num_heads=4, num_kv_heads=2,
+        embed_dim=32, mlp_dim=64, qkv_bias=True), rngs=nnx.Rngs(0))
+    px.models.save_pretrained(tmp_path, model)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"use_sliding_window": True}))
+    with pytest.raises(ValueError, match=r"px.models.from_pretrained: Qwen2 config "
+                       r"use_sliding_window=true is not supported"):
+        px.models.from_pretrained(tmp_path)

@@ -33,6 +33,14 @@ def namespace_or_skip() -> None:
                     f"{made.stderr.strip()}; needs root or CAP_SYS_ADMIN)")
 
 
+def is_the_dashboards_cloud_probe(socket: dict) -> bool:
+    """The one request Ray makes beyond loopback that parallax cannot switch off: its dashboard
+    asks the cloud metadata address which cloud it runs on, once at start (a connection, never
+    a listener; parallax/ray_cluster/loopback.py)."""
+    return (socket["state"] != "LISTEN" and socket["peer"] == "169.254.169.254:80"
+            and "ray/dashboard/dashboard.py" in socket["command"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_service_listens_and_connects_on_loopback_only_after_import_ray():
@@ -43,7 +51,7 @@ def test_every_service_listens_and_connects_on_loopback_only_after_import_ray():
              "rpc ps tf user")
     env = launch_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",  # asks Ray for a networked node
                    RAY_ADDRESS=f"{ROUTABLE}:6379",  # and to join one: parallax starts its own
-                   RAY_USAGE_STATS_ENABLED="0", JAX_PLATFORMS="cpu")
+                   JAX_PLATFORMS="cpu")
     with Started(["unshare", "-n", "bash", "-c", setup], timeout=840, env=env) as program:
         done = program.finish()
     assert done.returncode == 0, done.stderr[-3000:]
@@ -53,7 +61,9 @@ def test_every_service_listens_and_connects_on_loopback_only_after_import_ray():
         report = reports[service]
         assert any("gcs_server" in p for p in report["processes"]), report  # Ray was there
         assert report["sockets"] >= 5, report
-        assert report["exposed"] == [], (service, report["exposed"])
+        assert set(report["usage_stats"]) == {"0"}, report  # Ray's reports to its servers: off
+        beyond = [s for s in report["exposed"] if not is_the_dashboards_cloud_probe(s)]
+        assert beyond == [], (service, beyond)
     control = reports["user"]
     assert any(s["local"].startswith((ROUTABLE, f"[::ffff:{ROUTABLE}]", "*", "0.0.0.0"))
                for s in control["exposed"]), control  # the namespace does expose a plain Ray
@@ -62,3 +72,20 @@ def test_every_service_listens_and_connects_on_loopback_only_after_import_ray():
         f"parallax: Ray was already initialised in this process on {ROUTABLE}, not 127.0.0.1: "
         f"its services, on {ROUTABLE}: listening here beyond loopback, "), control["warnings"]
     assert "gcs_server (pid" in control["warnings"][0]
+
+
+@pytest.mark.parametrize("users_choice", [None, "1"])
+def test_usage_statistics_are_off_while_ray_starts_unless_the_user_chose(monkeypatch,
+                                                                        users_choice):
+    pytest.importorskip("ray")
+    import os
+
+    from parallax.ray_cluster.loopback import loopback_only
+
+    if users_choice is None:
+        monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)
+    else:
+        monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", users_choice)
+    with loopback_only():
+        assert os.environ["RAY_USAGE_STATS_ENABLED"] == (users_choice or "0")
+    assert os.environ.get("RAY_USAGE_STATS_ENABLED") == users_choice

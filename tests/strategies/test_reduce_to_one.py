@@ -43,12 +43,7 @@ def _step_collectives(sync):
     mesh = px.make_mesh(data=8)
     strategy = px.DataParallel("data", sync=sync)
     state = px.init(fx.mlp_state, mesh, strategy)
-
-    @px.train_step(mesh, strategy)
-    def step(state, batch):
-        loss, grads = px.value_and_grad(px.models.mse_loss)(state.model, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
+    step = fx.mlp_step(mesh, strategy)
     compiled = step.lower(state, fx.mlp_batches(1)[0]).compile()
     grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(state.params))
     return hlo.collectives(compiled, mesh), grad_bytes

@@ -53,7 +53,6 @@ def _gradient_all_reduces(bucket_bytes):
     strategy = px.DataParallel(
         "data", sync=px.BucketedSync(bucket_bytes=bucket_bytes, packing="flat"))
     state = px.init(fx.mlp_state, mesh, strategy)
-
     @px.train_step(mesh, strategy)
     def step(state, batch):
         loss, grads = px.value_and_grad(px.models.mse_loss)(state.model, batch)
@@ -137,12 +136,7 @@ def _collectives(sync):
     mesh = px.make_mesh(data=8)
     strategy = px.DataParallel("data", sync=sync)
     state = px.init(fx.mlp_state, mesh, strategy)
-
-    @px.train_step(mesh, strategy)
-    def step(state, batch):
-        loss, grads = px.value_and_grad(px.models.mse_loss)(state.model, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
+    step = fx.mlp_step(mesh, strategy)
     found = hlo.collectives(step.lower(state, fx.mlp_batches(1)[0]).compile(), mesh)
     return found, 4 * sum(x.size for x in jax.tree.leaves(state.params)), step, state
 

@@ -60,16 +60,31 @@ class CheckpointFiles:
     def _weight_map(self) -> dict[str, str]:
         index = self.path / INDEX
         if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
+            weight_map = dict(json.loads(index.read_text())["weight_map"])
+            self._check_shards(index, weight_map)
+            return weight_map
         single = self.path / SINGLE
         if not single.is_file():
             found = sorted(p.name for p in self.path.iterdir())
             raise FileNotFoundError(
                 f"px.models.from_pretrained: {self.path} has neither {SINGLE} nor {INDEX} "
-                f"(found: {', '.join(found) or 'nothing'}); parallax reads safetensors only "
-                "(re-save a PyTorch .bin checkpoint with safe_serialization=True).")
+                f"(found: {', '.join(found) or 'nothing'}); parallax reads safetensors only. "
+                "To convert a PyTorch .bin checkpoint, load it with transformers and save it "
+                "again: AutoModelForCausalLM.from_pretrained(src).save_pretrained(dst) writes "
+                "safetensors (transformers 5 always does; transformers 4 needs "
+                "safe_serialization=True).")
         with _safetensors().safe_open(single, framework="numpy") as f:
             return {name: SINGLE for name in f.keys()}
+
+    def _check_shards(self, index: pathlib.Path, weight_map: Mapping[str, str]) -> None:
+        """Every shard the index names is on disk, or an error naming the index and shard."""
+        for shard in sorted(set(weight_map.values())):
+            if not (self.path / shard).is_file():
+                held = sorted(name for name, file in weight_map.items() if file == shard)
+                raise FileNotFoundError(
+                    f"px.models.from_pretrained: {index} names the shard {shard!r} (holding "
+                    f"{len(held)} tensors, e.g. {held[0]!r}), which is not in {self.path}; "
+                    "the download or copy is incomplete: fetch the missing shard again.")
 
     def names(self) -> list[str]:
         return sorted(self.weight_map)

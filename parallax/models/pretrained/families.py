@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import ModuleType
 
-from parallax.models.pretrained import gpt2, llama
+from parallax.models.pretrained import gpt2, llama, mixtral, qwen2
 
-FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama}
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral,
+                                   "qwen2": qwen2}
 
 
 def for_config(config: Mapping, api: str) -> ModuleType:
@@ -25,9 +26,11 @@ def for_config(config: Mapping, api: str) -> ModuleType:
 
 
 def for_model(model, api: str) -> ModuleType:
-    """The family module of one of our models."""
+    """The family module of one of our models (a family with ``writes(config)`` takes only
+    the configs it says: a Llama with MoE blocks is written as a Mixtral)."""
     for family in FAMILIES.values():
-        if isinstance(model, family.MODEL):
+        if isinstance(model, family.MODEL) and getattr(family, "writes", bool)(model.config):
             return family
+    models = dict.fromkeys(f.MODEL.__name__ for f in FAMILIES.values())
     raise TypeError(f"{api}: cannot save a {type(model).__name__}; parallax writes "
-                    f"{', '.join(f.MODEL.__name__ for f in FAMILIES.values())} models.")
+                    f"{', '.join(models)} models.")

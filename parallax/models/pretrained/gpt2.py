@@ -14,6 +14,7 @@ checkpoints have it; L layers stacked on our leading axis):
 | ``{p}h.i.mlp.c_fc / c_proj`` | ``blocks.mlp.fc / proj`` | |
 | ``{p}ln_f`` | ``ln_f`` | |
 | ``lm_head.weight`` | ``wte`` (tied) | GPT-2 ties them; saved without ``lm_head`` |
+| ``embd_pdrop``, ``attn_pdrop``, ``resid_pdrop`` (config) | ``GPTConfig.embed_dropout``, ``attention_dropout``, ``residual_dropout`` | turned on as the checkpoint asks (transformers' default 0.1), with a warning that says so |
 
 References:
   Hugging Face transformers, ``models/gpt2/modeling_gpt2.py`` (``GPT2Attention``,
@@ -29,6 +30,7 @@ import numpy as np
 
 from parallax.models.gpt import GPT
 from parallax.models.gpt_config import GPTConfig
+from parallax.models.pretrained.config_warnings import say_dropout_on, warn_lacking
 from parallax.models.pretrained.pieces import Piece, Stacked
 
 API = "px.models.from_pretrained"
@@ -44,9 +46,27 @@ def _require(config: Mapping, key: str, allowed: tuple, default: Any) -> None:
             f"{key} in {allowed} only (convert the checkpoint or use a model that does).")
 
 
+# GPT-2's dropout fields -> ours; absent from a config.json, transformers' default is 0.1.
+DROPOUT = {"embed_dropout": "embd_pdrop", "attention_dropout": "attn_pdrop",
+           "residual_dropout": "resid_pdrop"}
+LACKING = {"reorder_and_upcast_attn": (
+    False, "it computes the attention scores in the compute dtype (GPTConfig.dtype; in "
+    "float32, the default, that is the upcast)")}
+
+
 def config_from_hf(hf: Mapping, **overrides: Any) -> GPTConfig:
-    """Our ``GPTConfig`` from a GPT-2 ``config.json`` (``overrides``: dtype, padding, ...)."""
+    """Our ``GPTConfig`` from a GPT-2 ``config.json`` (``overrides``: dtype, padding, ...).
+
+    The checkpoint's dropout (``embd_pdrop``, ``attn_pdrop``, ``resid_pdrop``) is turned on
+    and said so; a field our GPT does not compute is refused, or warned about where the
+    weights still mean the same (:mod:`parallax.models.pretrained.config_warnings`).
+    """
     _require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+    _require(hf, "add_cross_attention", (False,), False)
+    warn_lacking("GPT-2", hf, LACKING)
+    rates = {ours: (theirs, float(hf.get(theirs, 0.1))) for ours, theirs in DROPOUT.items()
+             if ours not in overrides}
+    say_dropout_on("GPT-2", rates)
     _require(hf, "layer_norm_epsilon", (1e-5,), 1e-5)
     _require(hf, "scale_attn_weights", (True,), True)
     _require(hf, "scale_attn_by_inverse_layer_idx", (False,), False)
@@ -54,7 +74,8 @@ def config_from_hf(hf: Mapping, **overrides: Any) -> GPTConfig:
     sizes = dict(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
                  num_layers=hf["n_layer"], num_heads=hf["n_head"], embed_dim=d,
                  mlp_dim=hf.get("n_inner") or 4 * d,
-                 tie_embeddings=hf.get("tie_word_embeddings", True))
+                 tie_embeddings=hf.get("tie_word_embeddings", True),
+                 **{ours: rate for ours, (_, rate) in rates.items()})
     if not sizes["tie_embeddings"]:
         raise ValueError(f"{API}: GPT-2 checkpoints with tie_word_embeddings=false are not "
                          "supported yet (every released GPT-2 ties them).")
@@ -62,13 +83,13 @@ def config_from_hf(hf: Mapping, **overrides: Any) -> GPTConfig:
 
 
 def config_to_hf(c: GPTConfig) -> dict:
-    """A GPT-2 ``config.json`` for ``c`` (dropout 0: our GPT has none)."""
+    """A GPT-2 ``config.json`` for ``c``, its dropout rates included."""
     return {"model_type": "gpt2", "architectures": [ARCHITECTURE], "vocab_size": c.vocab_size,
             "n_positions": c.max_seq_len, "n_ctx": c.max_seq_len, "n_embd": c.embed_dim,
             "n_layer": c.num_layers, "n_head": c.num_heads, "n_inner": c.mlp_dim,
             "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-            "tie_word_embeddings": c.tie_embeddings, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0, "scale_attn_weights": True}
+            "tie_word_embeddings": c.tie_embeddings, "scale_attn_weights": True,
+            **{theirs: getattr(c, ours) for ours, theirs in DROPOUT.items()}}
 
 
 def prefix_of(names) -> str:

@@ -34,12 +34,15 @@ import numpy as np
 
 from parallax.models.llama import Llama
 from parallax.models.llama_config import LlamaConfig
+from parallax.models.pretrained.config_warnings import warn_lacking
 from parallax.models.pretrained.pieces import Piece, Stacked
 from parallax.nn.rope import RopeScaling
 
 API = "px.models.from_pretrained"
 MODEL = Llama
 ARCHITECTURE = "LlamaForCausalLM"
+LACKING = {"attention_dropout": (0.0, "parallax's Llama has no dropout, so it trains "
+                                      "without the attention dropout")}
 
 
 def _rope(hf: Mapping) -> tuple[float, RopeScaling | None]:
@@ -59,14 +62,24 @@ def _rope(hf: Mapping) -> tuple[float, RopeScaling | None]:
         original_max_position_embeddings=int(merged["original_max_position_embeddings"]))
 
 
+def writes(c: LlamaConfig) -> bool:
+    """Whether ``save_pretrained`` writes a Llama of config ``c`` as this family (dense, no
+    q/k/v biases: those are Qwen2's)."""
+    return c.moe is None and not c.qkv_bias
+
+
 def config_from_hf(hf: Mapping, **overrides: Any) -> LlamaConfig:
     """Our ``LlamaConfig`` from a Llama ``config.json``."""
+    if overrides.get("moe") is not None and hf.get("model_type", "llama") == "llama":
+        raise ValueError(f"{API}: moe= given for a dense Llama checkpoint, whose MLP weights "
+                         "have no experts; load a 'mixtral' checkpoint for MoE blocks.")
     for key, allowed, default in (("hidden_act", ("silu",), "silu"),
                                   ("attention_bias", (False,), False),
                                   ("mlp_bias", (False,), False)):
         if hf.get(key, default) not in allowed:
             raise ValueError(f"{API}: Llama config {key}={hf.get(key)!r} is not supported; "
                              f"parallax's Llama has {key} in {allowed} only.")
+    warn_lacking("Llama", hf, LACKING)
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, d // h):
         raise ValueError(f"{API}: Llama config head_dim={hf['head_dim']} differs from "
@@ -112,9 +125,16 @@ def pieces(c: LlamaConfig, names) -> tuple[dict[str, Piece], dict]:
     if not c.tie_embeddings:
         top["head"] = Piece("lm_head.weight", (d,), (vp,), transpose=True, cols_stored=v)
 
+    def biases(b: str) -> dict[str, Piece]:  # Qwen2's q, k, v biases [H*K], [G*K]
+        if not c.qkv_bias:
+            return {}
+        return {"blocks.attn.query.bias": Piece(f"{b}self_attn.q_proj.bias", (), (h, k)),
+                "blocks.attn.key_value.bias": Stacked(tuple(
+                    Piece(f"{b}self_attn.{n}_proj.bias", (), (g, k)) for n in "kv"), 0)}
+
     def layer(i: int) -> dict[str, Piece]:
         b = f"model.layers.{i}."
-        return {
+        return biases(b) | {
             "blocks.attn_norm.scale": Piece(f"{b}input_layernorm.weight", (), (d,)),
             "blocks.mlp_norm.scale": Piece(f"{b}post_attention_layernorm.weight", (), (d,)),
             "blocks.attn.query.kernel": Piece(f"{b}self_attn.q_proj.weight", (d,), (h, k), True),
@@ -135,7 +155,11 @@ def ignored(name: str) -> bool:
 
 
 def export(c: LlamaConfig, leaves: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Our leaves (dotted names, host arrays) -> Llama's tensors, as transformers saves them."""
+    """Our leaves (dotted names, host arrays) -> Llama's tensors, as transformers saves them.
+
+    The dense MLP's tensors are written when the model has one (an MoE Llama's experts are
+    :mod:`parallax.models.pretrained.mixtral`'s to write).
+    """
     d, v = c.embed_dim, c.vocab_size
     out = {"model.embed_tokens.weight": leaves["embed"][:v], "model.norm.weight": leaves["norm.scale"]}
     if not c.tie_embeddings:
@@ -145,12 +169,20 @@ def export(c: LlamaConfig, leaves: Mapping[str, np.ndarray]) -> dict[str, np.nda
         b = f"model.layers.{i}."
         out[f"{b}input_layernorm.weight"] = at["blocks.attn_norm.scale"]
         out[f"{b}post_attention_layernorm.weight"] = at["blocks.mlp_norm.scale"]
-        key_value, gate_up = at["blocks.attn.key_value.kernel"], at["blocks.mlp.gate_up.kernel"]
+        key_value = at["blocks.attn.key_value.kernel"]
         attention = {"q_proj": at["blocks.attn.query.kernel"], "k_proj": key_value[:, 0],
                      "v_proj": key_value[:, 1]}
         for theirs, kernel in attention.items():
             out[f"{b}self_attn.{theirs}.weight"] = kernel.reshape(d, -1).T
         out[f"{b}self_attn.o_proj.weight"] = at["blocks.attn.out.kernel"].reshape(-1, d).T
+        if c.qkv_bias:
+            kv_bias = at["blocks.attn.key_value.bias"]
+            for theirs, bias in (("q", at["blocks.attn.query.bias"]), ("k", kv_bias[0]),
+                                 ("v", kv_bias[1])):
+                out[f"{b}self_attn.{theirs}_proj.bias"] = bias.reshape(-1)
+        if "blocks.mlp.gate_up.kernel" not in at:
+            continue
+        gate_up = at["blocks.mlp.gate_up.kernel"]
         mlp = {"gate": gate_up[:, 0], "up": gate_up[:, 1], "down": at["blocks.mlp.down.kernel"]}
         for name, kernel in mlp.items():
             out[f"{b}mlp.{name}_proj.weight"] = kernel.T

@@ -14,6 +14,7 @@ import pathlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -29,8 +30,17 @@ from parallax.strategy import Strategy
 
 def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
                     strategy: Strategy | None = None, dtype: Any = None,
+                    compute_dtype: Any = None, dropout_seed: int = 0,
                     **config_overrides: Any) -> nnx.Module:
-    """Loads a GPT-2 (``model_type: gpt2``) checkpoint into ``px.models.GPT``, sharded.
+    """Loads a Hugging Face checkpoint into the parallax model of its family, sharded.
+
+    The families, by ``config.json``'s ``model_type``: ``gpt2`` (``GPT2LMHeadModel``) into
+    ``px.models.GPT``, ``llama`` (``LlamaForCausalLM``) into ``px.models.Llama``, ``qwen2``
+    (``Qwen2ForCausalLM``) into a Llama with q/k/v biases and ``mixtral``
+    (``MixtralForCausalLM``) into a Llama with MoE blocks (``docs/pretrained.md`` has the name maps and what each refuses). A config field that
+    changes what the original computes is refused where the weights would mean something
+    else, and named in a ``PretrainedConfigWarning`` where they do not (a dropout the model
+    lacks); GPT-2's dropout is turned on as the config asks, and said so.
 
     Args:
       path: a directory with ``config.json`` and ``model.safetensors`` (or shards with
@@ -38,8 +48,12 @@ def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
       mesh: the device mesh (default: this process's first device alone).
       strategy: the layout (default: replicated over ``mesh``).
       dtype: the parameters' storage dtype (default: the checkpoint's, cast to float32).
-      **config_overrides: fields of the model's config to set (``dtype`` for compute,
-        ``vocab_pad_multiple``, a shorter ``max_seq_len``).
+      compute_dtype: the dtype the model computes in (its config's ``dtype``; default
+        float32), e.g. ``"bfloat16"`` with float32 parameters under ``px.MixedPrecision``.
+      dropout_seed: the seed of the model's dropout streams (``nnx.Rngs(dropout=...)``),
+        where its config has dropout.
+      **config_overrides: fields of the model's config to set (``vocab_pad_multiple``, a
+        shorter ``max_seq_len``, ``embed_dropout=0.0``...).
 
     Returns:
       The model, its parameters already in ``strategy``'s layout on ``mesh``.
@@ -63,10 +77,13 @@ def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
     family = families.for_config(files.config, API)
     if dtype is not None:
         config_overrides["param_dtype"] = dtype
+    if compute_dtype is not None:
+        config_overrides["dtype"] = jnp.dtype(compute_dtype)
     config = family.config_from_hf(files.config, **config_overrides)
-    abstract = nnx.eval_shape(lambda: family.MODEL(config, rngs=nnx.Rngs(0)))
-    graphdef, shapes = nnx.split(abstract)
-    shardings = _shardings(abstract, mesh, strategy)
+    build = lambda: family.MODEL(config, rngs=nnx.Rngs(0, dropout=dropout_seed))  # noqa: E731
+    abstract = nnx.eval_shape(build)
+    graphdef, shapes, rest_shapes = nnx.split(abstract, nnx.Param, ...)
+    shardings, rest_shardings = _shardings(abstract, mesh, strategy)
     top, layers = family.pieces(config, files.names())
     used = set()
 
@@ -99,7 +116,11 @@ def from_pretrained(path: str | pathlib.Path, *, mesh: Mesh | None = None,
                          f"parallax's {family.MODEL.__name__}: {', '.join(unused[:5])}; the "
                          "checkpoint is not a plain " + family.ARCHITECTURE + ".")
     files.close()
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, loaded))
+    # The rest (dropout streams' keys and counters) is made as the constructor makes it;
+    # under jit the parameters' initialisers are traced but never computed.
+    rest = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[2],
+                   out_shardings=rest_shardings)() if jax.tree.leaves(rest_shapes) else rest_shapes
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, loaded), rest)
 
 
 def _shardings(abstract, mesh, strategy):
@@ -109,10 +130,11 @@ def _shardings(abstract, mesh, strategy):
         mesh = Mesh(np.array(jax.local_devices()[:1]), ("data",))
     strategy = checked_strategy(strategy, mesh, API)
     tree = layout.state_shardings(abstract, strategy, mesh, API)
-    _, state = nnx.split(tree)
-    return jax.tree.map(lambda s: s if isinstance(s, NamedSharding)
-                        else NamedSharding(mesh, PartitionSpec()), state,
-                        is_leaf=lambda x: isinstance(x, NamedSharding))
+    _, params, rest = nnx.split(tree, nnx.Param, ...)
+    named = lambda state: jax.tree.map(  # noqa: E731
+        lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, PartitionSpec()),
+        state, is_leaf=lambda x: isinstance(x, NamedSharding))
+    return named(params), named(rest)
 
 
 def _check_shape(files, piece, name, leaf, stacked: int = 0) -> None:

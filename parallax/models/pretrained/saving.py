@@ -22,7 +22,9 @@ def save_pretrained(path: str | pathlib.Path, model, *,
 
     Args:
       path: the directory to write (created).
-      model: a ``px.models.GPT`` (sharded or not), or a ``px.TrainState`` holding one.
+      model: a ``px.models.GPT`` (written as ``gpt2``, its dropout rates in the config) or
+        a ``px.models.Llama`` (as ``llama``; ``qwen2`` with q/k/v biases; ``mixtral`` with
+        MoE blocks), sharded or not, or a ``px.TrainState`` holding one.
       max_shard_bytes: files larger than this are split, with
         ``model.safetensors.index.json`` (transformers' default is 5 GB).
 
@@ -43,7 +45,8 @@ def save_pretrained(path: str | pathlib.Path, model, *,
     """
     model = getattr(model, "model", model)  # a TrainState holds its model
     family = families.for_model(model, API)
-    _, state = nnx.split(model, nnx.Param)
+    # the weights only: not the dropout streams, nor an MoE's sown router statistics
+    _, state, _ = nnx.split(model, nnx.Param, ...)
     leaves = {}
     for key, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         if jax.process_count() > 1 and not leaf.is_fully_addressable:

@@ -1,12 +1,19 @@
 """Predicted messages and memory of expert parallelism (``px.ExpertParallel``) and MoE.
 
-An MoE block (``GPTConfig(moe=...)``) turns each of a device's ``G`` sequences into
-``[E, C]`` slots of width ``D`` (``C`` the capacity per sequence, ``S`` when dropless). With
-the ``E`` experts split over the expert axis (``E / n`` per device), per MoE layer and step:
+An MoE block (``GPTConfig(moe=...)``) with a capacity turns each of a device's ``G``
+sequences into ``[E, C]`` slots of width ``D`` (``C`` the capacity per sequence). With the
+``E`` experts split over the expert axis (``E / n`` per device), per MoE layer and step:
 
 - forward: two all-to-alls over the expert axis (dispatch and combine), each of the
   device's ``G E C D`` slots (the model's dtype); backward: the same two, transposed
   (GShard, sec. 2.2 and 3.2);
+- dropless in the explicit style (``parallax.nn.moe_dropless``): the same four per round
+  of ``E c D`` slots, ``c = ceil(N k / E)`` for the device's ``N = G S`` tokens; the
+  program holds ``ceil(N / c)`` rounds (the most dropless can need, about the padded
+  ``G E S D``) and runs ``ceil(busiest expert's choices / c)`` of them, one at an even
+  load. The prediction is the program's count, like the compiled reading, which counts a
+  conditional's collectives once; the report's note says what runs. Dropless in the
+  GSPMD style pads to ``C = S``;
 - the router statistics averaged over every batch shard: an all-reduce over the batch axes
   of the load ``f_e`` and importance ``P_e`` (``E`` each) and the z-loss (float32), which
   XLA merges with the gradients' sync, and one scalar in the backward (the z-loss's
@@ -29,17 +36,37 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from parallax.nn.moe_dropless import most_rounds, round_slots
 from parallax.planner.setting import StepSetting
 
 F32 = 4
 
 
 def slot_bytes(s: StepSetting) -> float:
-    """One device's ``[G, E, C, D]`` slots of one MoE layer."""
+    """One device's ``[G, E, C, D]`` slots of one MoE layer (one round's ``[E, c, D]``
+    when dropless in rounds)."""
     c, moe = s.config, s.moe
+    if in_rounds(s):
+        tokens = s.rows_per_device * s.seq_len
+        return (moe.num_experts * round_slots(tokens, moe.top_k, moe.num_experts)
+                * c.embed_dim * jnp.dtype(c.dtype).itemsize)
     capacity = moe.capacity(s.seq_len)
     return (s.rows_per_device * moe.num_experts * capacity * c.embed_dim
             * jnp.dtype(c.dtype).itemsize)
+
+
+def in_rounds(s: StepSetting) -> bool:
+    """Dropless under an expert axis in the explicit style: the exchange runs in rounds."""
+    return (s.moe is not None and s.moe.dropless and s.expert_axis is not None
+            and s.strategy.style != "gspmd")
+
+
+def rounds_in_program(s: StepSetting) -> int:
+    """Rounds the compiled program holds per exchange (1 unless dropless in rounds)."""
+    if not in_rounds(s):
+        return 1
+    moe = s.moe
+    return most_rounds(s.rows_per_device * s.seq_len, moe.top_k, moe.num_experts)
 
 
 def exchange_messages(s: StepSetting, add) -> None:
@@ -64,9 +91,13 @@ def exchange_messages(s: StepSetting, add) -> None:
     axis, moe = s.expert_axis, s.moe
     if axis is None or moe is None or s.seq_len is None:
         return
-    layers = s.config.num_layers
-    add("all-to-all", (axis,), 4 * layers * slot_bytes(s), 4 * layers,
-        "GShard: per MoE layer 2 all-to-alls forward, 2 backward, of G E C D")
+    layers, rounds = s.config.num_layers, rounds_in_program(s)
+    how = ("GShard: per MoE layer 2 all-to-alls forward, 2 backward, of G E C D"
+           if rounds == 1 and not in_rounds(s) else
+           f"dropless in rounds: per MoE layer and round 2 all-to-alls forward, 2 backward, "
+           f"of E c D; the program holds {rounds} rounds, a step runs ceil(busiest expert's "
+           "choices / c) of them (1 at an even load: N k D, the routed tokens)")
+    add("all-to-all", (axis,), 4 * layers * rounds * slot_bytes(s), 4 * layers * rounds, how)
     router_stats(s, add)
 
 
@@ -87,6 +118,9 @@ def router_stats(s: StepSetting, add) -> None:
     add("all-reduce", s.batch_axes, (layers * (2 * moe.num_experts + 1) + BACKWARD_SCALAR) * F32,
         layers + BACKWARD_SCALAR, "router statistics per MoE layer: f_e, P_e [E] and z "
         f"(float32){backward}")
+    if in_rounds(s):
+        add("all-reduce", s.batch_axes, layers * 4, layers,
+            "dropless rounds: per MoE layer, the most rounds any device needs (int32 max)")
 
 
 def sum_axes(s: StepSetting, leaf) -> tuple[str, ...]:

@@ -37,8 +37,38 @@ def sockets() -> list[dict]:
         fields = line.split()
         if len(fields) < 5:
             continue
+        process = " ".join(fields[5:])
         found.append({"state": fields[0], "local": fields[3], "peer": fields[4],
-                      "process": " ".join(fields[5:])})
+                      "process": process, "command": command(process)})
+    return found
+
+
+def command(process: str) -> str:
+    """The command line of the process ``ss`` names (``users:(("python",pid=7,fd=3))``)."""
+    if "pid=" not in process:
+        return ""
+    pid = process.split("pid=", 1)[1].split(",", 1)[0]
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def dashboard_usage_stats() -> list[str]:
+    """``RAY_USAGE_STATS_ENABLED`` as each Ray dashboard process of this namespace got it."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"dashboard/dashboard.py" not in cmdline.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                variables = dict(item.split(b"=", 1) for item in environ.read().split(b"\0")
+                                 if b"=" in item)
+        except OSError:
+            continue
+        found.append(variables.get(b"RAY_USAGE_STATS_ENABLED", b"unset").decode())
     return found
 
 
@@ -48,6 +78,7 @@ def report(name: str, **extra) -> None:
     exposed = [s for s in every if host(s["local"]) not in LOOPBACK
                or (s["state"] != "LISTEN" and host(s["peer"]) not in LOOPBACK)]
     print(json.dumps({"service": name, "sockets": len(every),
+                      "usage_stats": dashboard_usage_stats(),
                       "processes": sorted({s["process"].split('"')[1] for s in every
                                            if '"' in s["process"]}),
                       "exposed": exposed, **extra}), flush=True)

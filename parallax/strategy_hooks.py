@@ -132,6 +132,11 @@ class ModelHooks:
       before_loss: called as ``hook(model)`` on the NNX module ``px.value_and_grad``
         rebuilds inside the traced loss, before the loss runs (a tensor-parallel plan with
         sequence parallelism pins activation layouts on the stock modules it styles).
+      after_grad: called as ``hook(model)`` on the NNX module the user passed to
+        ``px.value_and_grad``, once per call, after the state the forward and backward
+        passes wrote is back in it (outside any ``shard_map``): state updates that need the
+        whole step (``px.Float8(delayed=True)``: the amax histories roll and the scales of
+        the next step are computed, as Transformer Engine does after a step).
       name_choices: per-array choices that need the sizes, called as ``choose(names,
         shape, mesh) -> names`` on every parameter (after ``param_checks``) and every
         activation ``px.constrain`` resolves, before the rules map the names
@@ -143,6 +148,7 @@ class ModelHooks:
     param_names: tuple[Callable, ...] = ()
     layout_checks: tuple[Callable, ...] = ()
     before_loss: tuple[Callable, ...] = ()
+    after_grad: tuple[Callable, ...] = ()
     name_choices: tuple[Callable, ...] = ()
 
     def choose_names(self, names, shape, mesh):

@@ -41,6 +41,7 @@ from parallax.strategies.context_parallel import ContextParallel as ContextParal
 from parallax.strategies.data import DataParallel as DataParallel
 from parallax.strategies.expert import ExpertParallel as ExpertParallel
 from parallax.strategies.float8 import Float8 as Float8
+from parallax.strategies.float8 import add_float8_histories as add_float8_histories
 from parallax.strategies.pipeline import Pipeline as Pipeline
 from parallax.strategies.precision import MixedPrecision as MixedPrecision
 from parallax.strategies.reduce_to_one import ReduceToOne as ReduceToOne

@@ -143,8 +143,6 @@ def test_compose_keeps_one_recipe():
      r"fsdp_float8_gather=False"),
     ({"delayed": True, "scaling": "rowwise"}, ValueError,
      r"px.Float8: delayed scaling keeps one amax history per tensor, so it is tensorwise only"),
-    ({"delayed": True}, NotImplementedError,
-     r"px.Float8: delayed=True is not built into the train step yet.*Use current scaling"),
     ({"skip": "head"}, TypeError, r"px.Float8: skip='head' must be a tuple of module-path"),
     ({"amax_compute_algo": "mean"}, ValueError,
      r"px.Float8: amax_compute_algo='mean' is not one of \('max', 'most_recent'\)"),

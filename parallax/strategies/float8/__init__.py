@@ -1,18 +1,21 @@
 """``px.Float8``: the dense matmuls of any model in float8, as a composable strategy.
 
-Files: ``scaling.py`` (amaxes, scales, casts, delayed scaling's history), ``recipe.py``
-(the validated settings), ``matmul.py`` (the float8 ``dot_general`` and its backward),
-``modules.py`` (which layers, and the hook that switches them), ``fsdp_gather.py``
-(ZeRO 3's all-gather in float8).
+Files: ``scaling.py`` (amaxes, scales, casts, delayed scaling's history update),
+``recipe.py`` (the validated settings), ``matmul.py`` (the float8 ``dot_general`` and its
+backward), ``modules.py`` (which layers, and the hook that switches them),
+``fsdp_gather.py`` (ZeRO 3's all-gather in float8), ``history.py`` and
+``delayed_matmul.py`` (delayed scaling: the histories as model state, the matmul that
+reads and records them).
 
-(Partly built: current scaling, tensorwise and rowwise, is; delayed scaling's recipe is
-written and tested, but its amax histories are not yet carried across steps, so
-``delayed=True`` is refused with that message.)
+(Partly built: delayed scaling does not support stacked ``nnx.vmap`` layers, nor micro-batches
+that are not threaded: see docs/float8.md.)
 """
 
 from __future__ import annotations
 
 from parallax.strategies.float8.fsdp_gather import Float8Matmuls
+from parallax.strategies.float8.history import (Float8GradAmax, Float8History, UpdateScales,
+                                                UseHistories, add_float8_histories)
 from parallax.strategies.float8.modules import Float8Modules
 from parallax.strategies.float8.recipe import Float8Recipe
 from parallax.strategy import ModelHooks, Strategy
@@ -30,21 +33,28 @@ def Float8(scaling: str = "tensorwise", *, delayed: bool = False, amax_history_l
     changed. Compose it with ``px.MixedPrecision()`` for bfloat16 compute around the
     matmuls with float32 master parameters and optimizer state (Transformer Engine's and
     torchao's setting), and with any parallelism: under ZeRO 3 / FSDP (explicit style) the
-    weights are all-gathered in float8 (tensorwise), under tensor parallelism the
-    amaxes of split tensors are reduced by XLA over the tensor axis.
+    weights are all-gathered in float8 (tensorwise, current scaling), under tensor
+    parallelism the amaxes of split tensors are reduced by XLA over the tensor axis.
+
+    With ``delayed=True`` (Transformer Engine's ``DelayedScaling``) each layer quantizes
+    with scales from its amax history of past steps, which lives in the model as
+    :class:`Float8History` state: call ``px.add_float8_histories(model, strategy)`` once
+    before ``px.TrainState.create`` (a step on a model without them raises, naming the
+    call). The histories are then carried by the train step and saved by checkpoints.
 
     Args:
       scaling: ``"tensorwise"`` (one scale per tensor; torchao's default recipe) or
         ``"rowwise"`` (one per row of the dimensions each matmul contracts; torchao's
         ``ROWWISE`` recipe).
-      delayed: Transformer Engine's delayed scaling (scales from an amax history). Not
-        yet carried across steps: True raises ``NotImplementedError``.
+      delayed: Transformer Engine's delayed scaling (scales from an amax history of the
+        steps before; tensorwise only).
       amax_history_len, amax_compute_algo, margin: delayed scaling's settings (TE's
-        names and meanings).
+        names and meanings; TE's default history is 1024 steps, here 16).
       power_of_2_scales: round scales down to powers of two; default True for rowwise
         and False for tensorwise, as torchao's recipes.
       fsdp_float8_gather: ZeRO 3 gathers dense weights in float8; default True for
-        tensorwise (rowwise cannot: one scale per gathered weight is needed).
+        tensorwise current scaling (rowwise cannot: one scale per gathered weight is
+        needed; delayed does not: its weight scale comes from the history).
       skip: module-path substrings whose layers stay in high precision
         (``skip=("head",)``; torchao's ``module_filter_fn``).
 
@@ -53,9 +63,9 @@ def Float8(scaling: str = "tensorwise", *, delayed: bool = False, amax_history_l
 
     Raises:
       ValueError: an unknown scaling or amax algorithm, a non-positive history length,
-        ``fsdp_float8_gather=True`` with rowwise scaling, delayed rowwise scaling.
+        ``fsdp_float8_gather=True`` with rowwise or delayed scaling, delayed rowwise
+        scaling.
       TypeError: ``skip`` not a tuple of strings.
-      NotImplementedError: ``delayed=True``.
 
     Example:
       >>> import parallax as px
@@ -71,8 +81,13 @@ def Float8(scaling: str = "tensorwise", *, delayed: bool = False, amax_history_l
     recipe = Float8Recipe(scaling, delayed, amax_history_len, amax_compute_algo, margin,
                           power_of_2_scales, fsdp_float8_gather, tuple(skip)
                           if not isinstance(skip, str) else skip)
-    return Strategy(name=f"Float8({scaling!r})", float8=Float8Matmuls(recipe),
-                    model_hooks=ModelHooks(before_loss=(Float8Modules(recipe),)))
+    if recipe.delayed:
+        hooks = ModelHooks(before_loss=(UseHistories(recipe),), after_grad=(UpdateScales(recipe),))
+    else:
+        hooks = ModelHooks(before_loss=(Float8Modules(recipe),))
+    name = f"Float8({scaling!r}, delayed=True)" if delayed else f"Float8({scaling!r})"
+    return Strategy(name=name, float8=Float8Matmuls(recipe), model_hooks=hooks)
 
 
-__all__ = ["Float8", "Float8Matmuls", "Float8Modules", "Float8Recipe"]
+__all__ = ["Float8", "Float8GradAmax", "Float8History", "Float8Matmuls", "Float8Modules",
+           "Float8Recipe", "add_float8_histories"]

@@ -48,12 +48,11 @@ class Float8Recipe:
                                  f"so it is tensorwise only (Transformer Engine's DelayedScaling); "
                                  f"got scaling={self.scaling!r}. Use scaling='tensorwise' or "
                                  "delayed=False.")
-            raise NotImplementedError(
-                f"{API}: delayed=True is not built into the train step yet: its recipe (amax "
-                "history and scale update, parallax.strategies.float8.scaling."
-                "amax_and_scale_update) is, but carrying the histories across steps is not. "
-                "Use current scaling (delayed=False, the default; torchao's and Transformer "
-                "Engine's Float8CurrentScaling).")
+            if self.fsdp_float8_gather:
+                raise ValueError(f"{API}: fsdp_float8_gather=True needs current scaling: the "
+                                 "gathered weight is cast with its own amax, while delayed "
+                                 "scaling casts it with its history's scale. Set "
+                                 "fsdp_float8_gather=False, or delayed=False.")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"{API}: amax_history_len={self.amax_history_len!r} must be a "
                              "positive int (Transformer Engine defaults to 1024).")
@@ -68,7 +67,8 @@ class Float8Recipe:
                              "tensorwise only). Set fsdp_float8_gather=False, or use "
                              "scaling='tensorwise'.")
         if gather is None:
-            object.__setattr__(self, "fsdp_float8_gather", self.scaling == "tensorwise")
+            object.__setattr__(self, "fsdp_float8_gather",
+                               self.scaling == "tensorwise" and not self.delayed)
         if self.power_of_2_scales is None:
             object.__setattr__(self, "power_of_2_scales", self.scaling == "rowwise")
         if isinstance(self.skip, str) or not all(isinstance(s, str) for s in self.skip):

@@ -1,6 +1,6 @@
 """px.Float8(delayed=True): the scale a step uses follows Transformer Engine's recipe from
-the amaxes of the steps before it; the histories are model state that data parallel and
-FSDP carry exactly as one device does, and checkpoints keep; pinned errors."""
+the amaxes of the steps before it; the histories are model state that data parallel, FSDP
+and tensor parallel carry exactly as one device does, and checkpoints keep; pinned errors."""
 
 import jax
 import jax.numpy as jnp
@@ -89,8 +89,11 @@ def _states(mesh, strategy, batches):
 @pytest.mark.parametrize("axes, parallel", [
     ({"data": 8}, px.DataParallel("data")),
     ({"fsdp": 8}, px.FSDP("fsdp")),
+    ({"data": 4, "tensor": 2}, px.compose(  # explicit data axis, GSPMD tensor axis
+        px.DataParallel("data"), px.TensorParallel("tensor", plan={"up": "colwise",
+                                                                   "down": "rowwise"}))),
 ])
-def test_delayed_under_data_parallel_and_fsdp_equals_one_device_whole_state(axes, parallel):
+def test_delayed_under_data_parallel_fsdp_and_tp_equals_one_device_whole_state(axes, parallel):
     batches = _batches(steps=3)
     reference = _states(px.make_mesh(devices=jax.devices()[:1], data=1), DELAYED, batches)
     run = _states(px.make_mesh(**axes), px.compose(parallel, DELAYED), batches)

@@ -41,6 +41,8 @@ def Float8(scaling: str = "tensorwise", *, delayed: bool = False, amax_history_l
     :class:`Float8History` state: call ``px.add_float8_histories(model, strategy)`` once
     before ``px.TrainState.create`` (a step on a model without them raises, naming the
     call). The histories are then carried by the train step and saved by checkpoints.
+    (Partly built: delayed scaling refuses layers stacked with ``nnx.vmap``, such as
+    ``px.models.GPT``'s blocks, and micro-batches or pipelines.)
 
     Args:
       scaling: ``"tensorwise"`` (one scale per tensor; torchao's default recipe) or

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import parallax as px
+from tests.fixtures import GPT_CONFIG, GPT_TX, gpt_batches
 from tests.strategies.test_float8 import _delayed_reference
 from tests.strategies.test_float8_step import _Net, _batches, _loss
 
@@ -136,11 +137,6 @@ def test_bad_delayed_settings_are_refused():
     with pytest.raises(ValueError, match=r"px.add_float8_histories: DataParallel\('data'\) holds no "
                        r"px.Float8"):
         px.add_float8_histories(_Net(nnx.Rngs(0)), px.DataParallel())
-    stacked = nnx.vmap(lambda r: nnx.Linear(4, 4, rngs=r))(nnx.Rngs(0).split(2))
-    with pytest.raises(ValueError, match=r"px.Float8: delayed scaling keeps one amax history "
-                       r"per layer, and layer '' is stacked \(kernel shape \(2, 4, 4\), 1 "
-                       r"stacked dimension\(s\), nnx.vmap\)"):
-        px.add_float8_histories(stacked, DELAYED)
 
 
 def test_delayed_with_micro_batches_is_refused():
@@ -149,3 +145,41 @@ def test_delayed_with_micro_batches_is_refused():
     with pytest.raises(ValueError, match=r"px.value_and_grad: the model holds state its "
                        r"backward pass writes \(down.float8_grad_amax.*2 micro-batches would split that step. Use microbatches=None"):
         _step(mesh, strategy, _loss)(px.init(_net_state, mesh, strategy), _batches(steps=1)[0])
+
+
+def test_stacked_layers_get_one_history_per_layer():
+    stacked = nnx.vmap(lambda r: nnx.Linear(4, 4, rngs=r))(nnx.Rngs(0).split(2))
+    px.add_float8_histories(stacked, DELAYED)
+    assert stacked.float8_history.shape == (2, 3, 3) and stacked.float8_scale.shape == (2, 3)
+    assert stacked.float8_grad_amax.shape == (2,)
+
+
+def _gpt_delayed_state():
+    model = px.models.GPT(GPT_CONFIG, rngs=nnx.Rngs(0))
+    return px.TrainState.create(px.add_float8_histories(model, DELAYED), GPT_TX)
+
+
+@pytest.mark.slow
+def test_gpt_tiny_scanned_blocks_keep_per_layer_histories_and_fsdp_equals_one_device():
+    """px.models.GPT's blocks are nnx.vmap-stacked and run by nnx.scan:
+    each layer's slice of the stacked history is its own, and FSDP's whole state is one
+    device's."""
+    batches = gpt_batches(2, batch=8)
+
+    def states(mesh, strategy):
+        state, step, out = px.init(_gpt_delayed_state, mesh, strategy), \
+            _step(mesh, strategy, px.models.next_token_loss), []
+        for batch in batches:
+            state, _ = step(state, batch)
+            out.append(jax.device_get(nnx.state(state)))
+        return out
+
+    reference = states(px.make_mesh(devices=jax.devices()[:1], data=1), DELAYED)
+    run = states(px.make_mesh(fsdp=8), px.compose(px.FSDP("fsdp"), DELAYED))
+    for got, want in zip(run, reference):
+        assert px.testing.relative_difference(got, want) <= 1e-5
+    flat = dict(nnx.to_flat_state(reference[-1]))
+    history = np.asarray(flat[("rest", "blocks", "mlp", "fc", "float8_history")][...])
+    assert history.shape == (GPT_CONFIG.num_layers, 3, 3)
+    recorded = history[:, -2:]  # the two steps' amaxes of x, w, g, for each layer
+    assert (recorded > 0).all() and not np.allclose(recorded[0], recorded[1])

@@ -7,8 +7,7 @@ backward), ``modules.py`` (which layers, and the hook that switches them),
 ``delayed_matmul.py`` (delayed scaling: the histories as model state, the matmul that
 reads and records them).
 
-(Partly built: delayed scaling does not support stacked ``nnx.vmap`` layers, nor micro-batches
-that are not threaded: see docs/float8.md.)
+(Partly built: delayed scaling refuses micro-batches and pipelines: see docs/float8.md.)
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ def Float8(scaling: str = "tensorwise", *, delayed: bool = False, amax_history_l
     :class:`Float8History` state: call ``px.add_float8_histories(model, strategy)`` once
     before ``px.TrainState.create`` (a step on a model without them raises, naming the
     call). The histories are then carried by the train step and saved by checkpoints.
-    (Partly built: delayed scaling refuses layers stacked with ``nnx.vmap``, such as
-    ``px.models.GPT``'s blocks, and micro-batches or pipelines.)
+    Layers stacked with ``nnx.vmap`` (``px.models.GPT``'s and ``Llama``'s blocks) get one
+    history per layer. (Partly built: delayed scaling refuses micro-batches and pipelines.)
 
     Args:
       scaling: ``"tensorwise"`` (one scale per tensor; torchao's default recipe) or

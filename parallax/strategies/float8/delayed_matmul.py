@@ -1,8 +1,8 @@
 """Delayed scaling's float8 ``dot_general``: scales from the layer's amax history.
 
-:func:`delayed_dot_general` is what ``px.Float8(delayed=True)`` gives each converted layer
-(bound to it: it reads and writes that layer's own :mod:`~parallax.strategies.float8.history`
-variables). The three matmuls are :mod:`~parallax.strategies.float8.matmul`'s, tensorwise,
+:class:`DelayedDot` is what ``px.Float8(delayed=True)`` gives each converted layer as its
+``dot_general`` (it reads and writes that layer's own
+:mod:`~parallax.strategies.float8.history` variables). The three matmuls are :mod:`~parallax.strategies.float8.matmul`'s, tensorwise,
 but every operand is quantized with the scale the layer's history gave *before* this
 step (Transformer Engine's ``DelayedScaling``), not with its own amax:
 
@@ -34,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from parallax import context
@@ -51,28 +52,35 @@ def shared_amax(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return lax.pmax(to_varying(found, axes), axes) if axes else found
 
 
-def delayed_dot_general(module):
-    """``lax.dot_general`` with ``module``'s dense products in float8, scaled from its
-    history (module docstring); other products run as ``lax.dot_general``."""
+class DelayedDot(nnx.Module):
+    """``lax.dot_general`` with its owner layer's dense products in float8, scaled from the
+    owner's history (module docstring); other products run as ``lax.dot_general``.
 
-    def dot_general(lhs, rhs, dimension_numbers, precision=None,
-                    preferred_element_type=None, **kwargs):
+    A graph node holding its owner (a cycle NNX follows by reference), not a closure: under
+    ``nnx.vmap``-stacked layers run by ``nnx.scan`` (``px.models.GPT``'s blocks) the owner
+    it reaches inside the scan body is that layer's slice, history included.
+    """
+
+    def __init__(self, owner):
+        self.owner = owner
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, **kwargs):
         if not is_dense_layout(jnp.ndim(lhs), jnp.ndim(rhs), dimension_numbers):
             return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **kwargs)
+        layer = self.owner
         out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
         axes = batch_axes()
         ctx = context.current()
         shards = math.prod(ctx.mesh.shape[a] for a in axes) if axes else 1
-        history = module.float8_history[...]
+        history = layer.float8_history[...]
         found = jnp.stack([shared_amax(lhs, axes), shared_amax(rhs, axes)])
-        module.float8_history[...] = history.at[0, :G].set(jnp.maximum(history[0, :G], found))
-        scale = lax.stop_gradient(module.float8_scale[...])
+        layer.float8_history[...] = history.at[0, :G].set(jnp.maximum(history[0, :G], found))
+        scale = lax.stop_gradient(layer.float8_scale[...])
         c = len(dimension_numbers[0][0])
-        return _delayed_matmul(lhs, rhs, scale, module.float8_grad_amax[...], c, out_dtype,
+        return _delayed_matmul(lhs, rhs, scale, layer.float8_grad_amax[...], c, out_dtype,
                                axes, shards)
-
-    return dot_general
 
 
 def _delayed_matmul(x, w, scale, record, c, out_dtype, axes, shards):

@@ -20,21 +20,22 @@ folds the gradient amax into slot 0 and runs
 :func:`parallax.strategies.float8.scaling.amax_and_scale_update` on each column: the next
 scales, the history rolled.
 
-(Partly built: layers stacked with ``nnx.vmap`` and run by ``nnx.scan``, such as
-``px.models.GPT``'s blocks, are refused: their dense layer runs inside a transform that
-would need the history sliced with it.)
+Layers stacked with ``nnx.vmap`` (``px.models.GPT``'s blocks) get stacked variables (a
+leading dimension per stacked one), which ``nnx.scan`` slices with the layer, so each layer
+keeps its own history.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from parallax.grad.backward_records import BackwardRecord
 from parallax.strategies.float8 import scaling
-from parallax.strategies.float8.delayed_matmul import G, delayed_dot_general
+from parallax.strategies.float8.delayed_matmul import G, DelayedDot
 from parallax.strategies.float8.modules import dense_modules, unstacked_kernel_ndim
 from parallax.strategies.float8.recipe import API, Float8Recipe
 
@@ -77,8 +78,7 @@ def add_float8_histories(model: nnx.Module, strategy) -> nnx.Module:
       ``model``, changed in place.
 
     Raises:
-      ValueError: the strategy holds no ``px.Float8``; a converted layer is stacked
-        (``nnx.vmap``), which delayed scaling does not support.
+      ValueError: the strategy holds no ``px.Float8``.
 
     Example:
       >>> import parallax as px
@@ -92,19 +92,15 @@ def add_float8_histories(model: nnx.Module, strategy) -> nnx.Module:
     if not recipe.delayed:
         return model
     for path, module in dense_modules(model, recipe):
+        if hasattr(module, NAMES[0]):
+            continue
         ndim = unstacked_kernel_ndim(module)
-        if ndim is not None and module.kernel[...].ndim != ndim:
-            raise ValueError(
-                f"{API}: delayed scaling keeps one amax history per layer, and layer "
-                f"{path!r} is stacked (kernel shape {tuple(module.kernel[...].shape)}, "
-                f"{module.kernel[...].ndim - ndim} stacked dimension(s), nnx.vmap): its "
-                "history would have to be sliced with it inside nnx.scan, which is not "
-                "supported. Use current scaling (delayed=False) or skip=(...) that layer.")
-        if not hasattr(module, NAMES[0]):
-            length = recipe.amax_history_len
-            module.float8_history = Float8History(jnp.zeros((length, 3), jnp.float32))
-            module.float8_scale = Float8History(jnp.ones((3,), jnp.float32))
-            module.float8_grad_amax = Float8GradAmax(jnp.zeros((), jnp.float32))
+        # nnx.vmap-stacked layers get stacked histories: nnx.scan slices them with the layer.
+        lead = module.kernel[...].shape[:module.kernel[...].ndim - ndim] if ndim else ()
+        length = recipe.amax_history_len
+        module.float8_history = Float8History(jnp.zeros((*lead, length, 3), jnp.float32))
+        module.float8_scale = Float8History(jnp.ones((*lead, 3), jnp.float32))
+        module.float8_grad_amax = Float8GradAmax(jnp.zeros(lead, jnp.float32))
     return model
 
 
@@ -121,20 +117,23 @@ def check_prepared(path: str, module) -> None:
 @dataclasses.dataclass(frozen=True)
 class UseHistories:
     """A ``ModelHooks.before_loss`` entry: each converted layer's ``dot_general`` becomes
-    :func:`.delayed_dot_general`, bound to its own history (on the module rebuilt inside
-    the traced loss)."""
+    a :class:`.DelayedDot` reading its own history (on the module rebuilt inside the traced
+    loss)."""
 
     recipe: Float8Recipe
 
     def __call__(self, model: nnx.Module) -> None:
         for path, module in dense_modules(model, self.recipe):
             check_prepared(path, module)
-            object.__setattr__(module, "dot_general", delayed_dot_general(module))
+            module.dot_general = nnx.data(DelayedDot(module))
 
 
 def update_scales(history, scale, grad_amax, recipe: Float8Recipe):
     """``(history, scale)`` after a step: the gradient amax in slot 0, then TE's update
-    of each column (x and w in e4m3, g in e5m2)."""
+    of each column (x and w in e4m3, g in e5m2); stacked layers each on their own."""
+    if scale.ndim > 1:
+        return jax.vmap(lambda h, s, g: update_scales(h, s, g, recipe))(history, scale,
+                                                                          grad_amax)
     history = history.at[0, G].set(jnp.maximum(history[0, G], grad_amax))
     columns = [scaling.amax_and_scale_update(history[:, i], scale[i], dtype,
                                              algo=recipe.amax_compute_algo,

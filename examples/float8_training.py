@@ -13,9 +13,9 @@ like BatchNorm statistics. The script trains the same MLP in float32, with curre
 with delayed float8 scaling, all under ``px.DataParallel`` over every device (8 simulated
 CPU devices without an accelerator), prints how many float8 matmuls the emitted program
 holds (5 here: two forward, two weight gradients, one input gradient, the first layer's
-input needing none), the first layer's delayed scales step by step, and checks each float8 run against
-the same run on one device (the amaxes are max-reduced over the devices, so the float8
-values are one device's; 1e-5 relative) and the float8 losses against float32's.
+input needing none), the first layer's delayed scales step by step, and checks each float8
+run against the same run on one device (the amaxes are max-reduced over the devices, so the
+float8 values are one device's; 1e-5 relative) and the float8 losses against float32's.
 """
 
 from __future__ import annotations

@@ -110,15 +110,22 @@ def test_delayed_under_data_parallel_fsdp_and_tp_equals_one_device_whole_state(a
 
 
 def test_checkpoint_saves_and_restores_the_histories(tmp_path):
+    """Saved on one device after 2 steps, restored into FSDP on 8: the histories come back,
+    and the third step continues the uninterrupted run."""
     mesh = px.make_mesh(devices=jax.devices()[:1], data=1)
-    states = _states(mesh, DELAYED, _batches(steps=2))
-    px.checkpoint.save(tmp_path, states[-1], step=2)
-    restored = px.checkpoint.restore(tmp_path, like=_net_state, mesh=mesh, strategy=DELAYED)
+    batches = _batches(steps=3)
+    uninterrupted = _states(mesh, DELAYED, batches)
+    px.checkpoint.save(tmp_path, uninterrupted[1], step=2)
+    fsdp, strategy = px.make_mesh(fsdp=8), px.compose(px.FSDP("fsdp"), DELAYED)
+    restored = px.checkpoint.restore(tmp_path, like=_net_state, mesh=fsdp, strategy=strategy)
     assert restored.step == 2
-    flat = dict(nnx.to_flat_state(nnx.state(restored.state)))
+    got = dict(nnx.to_flat_state(nnx.state(restored.state)))
+    saved = dict(nnx.to_flat_state(uninterrupted[1]))
     for key in [("rest", "up", "float8_history"), ("rest", "down", "float8_scale")]:
-        np.testing.assert_array_equal(np.asarray(flat[key][...]),
-                                      np.asarray(dict(nnx.to_flat_state(states[-1]))[key][...]))
+        np.testing.assert_array_equal(np.asarray(got[key][...]), np.asarray(saved[key][...]))
+    resumed, _ = _step(fsdp, strategy, _loss)(restored.state, batches[2])
+    assert px.testing.relative_difference(jax.device_get(nnx.state(resumed)),
+                                          uninterrupted[2]) <= 1e-5
 
 
 def test_a_delayed_step_on_an_unprepared_model_names_the_call():
@@ -134,8 +141,8 @@ def test_bad_delayed_settings_are_refused():
     with pytest.raises(ValueError, match=r"px.Float8: fsdp_float8_gather=True needs current "
                        r"scaling.*Set fsdp_float8_gather=False, or delayed=False"):
         px.Float8(delayed=True, fsdp_float8_gather=True)
-    with pytest.raises(ValueError, match=r"px.add_float8_histories: DataParallel\('data'\) holds no "
-                       r"px.Float8"):
+    with pytest.raises(ValueError, match=r"px.add_float8_histories: DataParallel\('data'\) "
+                       r"holds no px.Float8"):
         px.add_float8_histories(_Net(nnx.Rngs(0)), px.DataParallel())
 
 
@@ -143,7 +150,8 @@ def test_delayed_with_micro_batches_is_refused():
     mesh = px.make_mesh(devices=jax.devices()[:1], data=1)
     strategy = px.compose(px.GradientAccumulation(2), DELAYED)
     with pytest.raises(ValueError, match=r"px.value_and_grad: the model holds state its "
-                       r"backward pass writes \(down.float8_grad_amax.*2 micro-batches would split that step. Use microbatches=None"):
+                       r"backward pass writes \(down.float8_grad_amax.*2 micro-batches would "
+                       r"split that step. Use microbatches=None"):
         _step(mesh, strategy, _loss)(px.init(_net_state, mesh, strategy), _batches(steps=1)[0])
 
 

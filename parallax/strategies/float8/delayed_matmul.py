@@ -2,13 +2,14 @@
 
 :class:`DelayedDot` is what ``px.Float8(delayed=True)`` gives each converted layer as its
 ``dot_general`` (it reads and writes that layer's own
-:mod:`~parallax.strategies.float8.history` variables). The three matmuls are :mod:`~parallax.strategies.float8.matmul`'s, tensorwise,
-but every operand is quantized with the scale the layer's history gave *before* this
-step (Transformer Engine's ``DelayedScaling``), not with its own amax:
+:mod:`~parallax.strategies.float8.history` variables). The three matmuls are
+:mod:`~parallax.strategies.float8.matmul`'s, tensorwise, but every operand is quantized with
+the scale the layer's history gave *before* this step (Transformer Engine's
+``DelayedScaling``), not with its own amax:
 
 - forward: ``x`` and ``w`` in e4m3 with the scales of slots x and w; their amaxes are
-  written into the history's slot 0 (a max with what is there, so micro-batches threaded
-  through one step record the step's largest);
+  written into the history's slot 0 (a max with what is there: a layer called twice in a
+  step records the larger);
 - backward: ``g`` in e5m2 with the scale of slot g; its amax leaves the backward as the
   cotangent of the layer's :class:`~parallax.strategies.float8.history.Float8GradAmax`
   (a :class:`parallax.grad.backward_records.BackwardRecord`: a ``custom_vjp`` rule cannot

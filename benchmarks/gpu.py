@@ -25,6 +25,10 @@ PaLM's (appendix B): ``6 N + 12 L T D`` per token (``N`` the matmul parameters, 
 projection counted whether tied or not; ``12 L T D`` attention's scores and weighted sum over
 the whole ``T x T``), times batch x sequence; nothing recomputed is counted.
 
+With ``--float8 MODELS`` (default ``llama_1b``; the issue's row) the model's bf16 step and the
+same step under ``px.Float8()`` then alternate at that batch (``benchmarks/float8_compare.py``):
+both MFUs over the bf16 peak and their time ratio, in a table of their own.
+
 The attention kernel is read from the compiled HLO (``parallax.analysis.kernels``): on an
 NVIDIA GPU in bf16 the check passes when the program holds cuDNN's fused attention custom
 calls (``__cudnn$fmha...``), i.e. the fused kernel is the one running.
@@ -47,6 +51,8 @@ import sys
 import tempfile
 import time
 
+import float8_compare  # the float8 rows (benchmarks/ is on the path: this script's folder)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ = 2048
 HEAD = ("| date | device | jax | parallax | model | batch x seq | compute | remat | attention "
@@ -54,6 +60,7 @@ HEAD = ("| date | device | jax | parallax | model | batch x seq | compute | rema
 TITLE = "Train step, batch sweep (one device; MFU: PaLM's 6N + 12LTD)"
 COMM_HEAD = "| date | device | devices | op | algorithm | bytes | time us | busbw GB/s |"
 MEMORY_MARGIN = 0.95  # of the allocator's limit: XLA's own workspace comes on top
+FLOAT8_SHARE = 0.15  # of --budget, kept from the sweeps for the float8 rounds
 
 
 def model_config(name: str, dtype, remat: str):
@@ -287,10 +294,11 @@ def append_rows(path: pathlib.Path, title: str, head: str, rows: list[str]) -> N
         separator = "|" + "---|" * (head.count("|") - 1)
         text = text.rstrip("\n") + f"\n\n## {title}\n\n{head}\n{separator}\n"
     before, after = text.split(f"## {title}\n", 1)
-    lines = after.split("\n")
+    section, heading, rest = after.partition("\n## ")  # this table's lines only
+    lines = section.split("\n")
     last = max(i for i, line in enumerate(lines) if line.startswith("|"))
     lines[last + 1:last + 1] = rows
-    path.write_text(before + f"## {title}\n" + "\n".join(lines))
+    path.write_text(before + f"## {title}\n" + "\n".join(lines) + heading + rest)
 
 
 def main(argv=None) -> int:
@@ -309,6 +317,9 @@ def main(argv=None) -> int:
     parser.add_argument("--explain", action="store_true",
                         help="also px.explain's predicted step time at the largest batch (one "
                              "more compile per model)")
+    parser.add_argument("--float8", default="llama_1b",
+                        help="models also timed under px.Float8() against bf16, alternating "
+                             "('' for none)")
     parser.add_argument("--comm-max-bytes", default="256M")
     parser.add_argument("--comm-ops", default="all_reduce,all_gather,reduce_scatter")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
@@ -328,9 +339,11 @@ def main(argv=None) -> int:
     chip = roofline.chip(args.chip) if args.chip else roofline.chip_for(device)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     models = args.models.split(",")
-    rows, checks = [], []
+    float8_models = [m for m in args.float8.split(",") if m in models]
+    reserve = FLOAT8_SHARE * args.budget * bool(float8_models)  # the float8 rounds' time
+    rows, checks, fp8_rows = [], [], []
     for i, model in enumerate(models):
-        share = (args.budget - (time.perf_counter() - began)) / (len(models) - i)
+        share = (args.budget - reserve - (time.perf_counter() - began)) / (len(models) - i)
         deadline = time.perf_counter() + 0.7 * share  # the rest: the px / hand-written rounds
         bench = Bench(model, args, device)
         print(f"{model} ({bench.compute}, remat={args.remat!r}):", flush=True)
@@ -362,6 +375,16 @@ def main(argv=None) -> int:
                         f"| {p.rows} x {seq} | {bench.compute} | {args.remat} | {p.attention} "
                         f"| {p.px_s * 1e3:.1f} | {tokens / p.px_s:,.0f} | {mfu:.1%} "
                         f"| {p.peak_bytes / 2**30:.2f} | {ratio} |")
+        if model in float8_models:
+            fp8 = float8_compare.compare(bench, best.rows, flops_token, chip,
+                                         lambda line: print(line, flush=True))
+            if fp8 is not None:
+                fp8_rows.append(float8_compare.row(fp8, stamp, name, jax.__version__,
+                                                   px.__version__, model, seq, bench.compute))
+                print(f"{model} float8 vs {bench.compute} at batch {fp8['rows']}: "
+                      f"{fp8['float8_s'] * 1e3:.1f} ms vs {fp8['bf16_s'] * 1e3:.1f} ms, MFU "
+                      f"{fp8['float8_mfu']:.1%} vs {fp8['bf16_mfu']:.1%} (bf16 peak), "
+                      f"{bench.compute} / float8 time {fp8['bf16_s'] / fp8['float8_s']:.3f}")
         print(flush=True)
         del bench
     print(f"MFU: PaLM's model flops (6 N + 12 L T D per token, nothing recomputed) over "
@@ -378,6 +401,8 @@ def main(argv=None) -> int:
             print(f"allocator peak over the run: {stats['peak_bytes_in_use'] / 2**30:.2f} GiB")
     path = pathlib.Path(args.results)
     append_rows(path, TITLE, HEAD, rows)
+    if fp8_rows:
+        append_rows(path, float8_compare.TITLE, float8_compare.HEAD, fp8_rows)
     if jax.device_count() > 1:  # one device has no collectives to time
         append_rows(path, "Collectives (parallax bench comm)", COMM_HEAD,
                     comm_rows(args, jax.device_count(), stamp, name))

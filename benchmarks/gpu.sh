@@ -4,7 +4,9 @@
 # the batch swept up to the largest that fits; MFU (PaLM's 6N + 12LTD model flops over the
 # chip's bf16 peak), tokens/s, compiled memory, px.train_step / a hand-written jax.jit step,
 # and the attention kernel the compiled program runs (the check that cuDNN's fused kernel is
-# the one running). Rows appended to benchmarks/RESULTS.md (date, versions, device).
+# the one running); then Llama ~1B's bf16 step against the same step under px.Float8(),
+# alternating in one run (both MFUs over the bf16 peak, and the time ratio). Rows appended
+# to benchmarks/RESULTS.md (date, versions, device).
 #
 #   benchmarks/gpu.sh                  # on a GPU machine
 #   benchmarks/gpu.sh --tiny           # anywhere (CPU: tiny GPT and Llama; what the tests run)
@@ -19,6 +21,7 @@ args=()
 for arg in "$@"; do
   if [[ "$arg" == "--tiny" ]]; then
     args+=(--models gpt_tiny,llama_tiny --max-batch 2 --steps 2 --warmup 1 --budget 300 --explain
+           --float8 llama_tiny
            --comm-max-bytes 4K --comm-ops all_reduce)
   else
     args+=("$arg")

@@ -48,6 +48,8 @@ from parallax.strategies import AllReduceSync as AllReduceSync
 from parallax.strategies import FSDP as FSDP
 from parallax.strategies import HSDP as HSDP
 from parallax.strategies import MixedPrecision as MixedPrecision
+from parallax.strategies import Float8 as Float8
+from parallax.strategies import add_float8_histories as add_float8_histories
 from parallax.strategies import Pipeline as Pipeline
 from parallax.strategies import ReduceToOne as ReduceToOne
 from parallax.strategies import BucketedSync as BucketedSync
@@ -75,6 +77,8 @@ __all__ = [
     "GradientAccumulation",
     "HSDP",
     "MixedPrecision",
+    "Float8",
+    "add_float8_histories",
     "Pipeline",
     "ReduceToOne",
     "Strategy",

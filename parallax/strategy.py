@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from parallax.mesh import AXIS_ORDER, describe
 from parallax.rules import MeshAxes, Rules, as_tuple
 from parallax.strategy_hooks import ExpertSharding as ExpertSharding
+from parallax.strategy_hooks import Float8Weights as Float8Weights
 from parallax.strategy_hooks import ModelHooks as ModelHooks
 from parallax.strategy_hooks import SequenceSplit as SequenceSplit
 from parallax.strategy_hooks import StateSharding as StateSharding
@@ -77,6 +78,8 @@ class Strategy:
         ``parallax.attention`` calls (None: whole).
       experts: expert parallelism's token exchange: its axis splits both the batch and the
         ``"expert"`` dimension of MoE weights (None: experts run where the tokens are).
+      float8: ``px.Float8``'s recipe as the core sees it (which weights ZeRO 3 gathers in
+        float8); the matmuls themselves are switched by its model hook (None: no float8).
     """
 
     name: str = "Replicated()"
@@ -91,6 +94,7 @@ class Strategy:
     precision: object | None = None
     sequence_split: SequenceSplit | None = None
     experts: ExpertSharding | None = None
+    float8: Float8Weights | None = None
 
     @property
     def rule_table(self) -> dict[str, MeshAxes]:
@@ -179,6 +183,8 @@ SINGLE_VALUED = {row.field: row for row in (
                  "a step computes in one set of dtypes, so keep one px.MixedPrecision."),
     SingleValued("experts", "two expert exchanges ({va!r}, {vb!r})",
                  "experts are split over one mesh axis: keep one px.ExpertParallel."),
+    SingleValued("float8", "two different float8 recipes ({va!r} and {vb!r})",
+                 "a step's matmuls follow one recipe: keep one px.Float8."),
 )}
 
 

@@ -4,7 +4,7 @@ The core (``layout``, ``grad``, ``step``, ``attention``) never imports
 ``parallax.strategies``; a parallelism reaches it through values held in a
 :class:`parallax.strategy.Strategy`. Each single-valued one is typed by a protocol here
 (:class:`StateSharding` for ZeRO, :class:`SequenceSplit` for context parallelism,
-:class:`ExpertSharding` for expert parallelism); the many-valued ones, checks and
+:class:`ExpertSharding` for expert parallelism, :class:`Float8Weights` for float8); the many-valued ones, checks and
 preparations of the model that every strategy of a composition adds, travel together as one
 :class:`ModelHooks` value that ``compose`` concatenates.
 
@@ -95,6 +95,21 @@ class ExpertSharding(Protocol):
         """``run`` applied to every slot by the device holding its expert, back in place."""
 
 
+class Float8Weights(Protocol):
+    """Which weights ZeRO 3 all-gathers in float8, and how (``px.Float8``).
+
+    ``parallax.strategies.float8.Float8Matmuls`` implements it; the explicit style's
+    parameter gather calls it inside its ``shard_map``.
+    """
+
+    def gathered_kernels(self, model) -> dict[str, int]:
+        """``{dotted parameter path: leading stacked dims}`` of the weights to gather in
+        float8 (empty: none)."""
+
+    def gather(self, shard: jax.Array, gather: Callable, axis: str, stacked: int) -> jax.Array:
+        """The full weight from ``shard``, ``gather`` (ZeRO's all-gather) moving float8."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelHooks:
     """Checks and preparations a strategy adds to every model it lays out.
@@ -117,6 +132,11 @@ class ModelHooks:
       before_loss: called as ``hook(model)`` on the NNX module ``px.value_and_grad``
         rebuilds inside the traced loss, before the loss runs (a tensor-parallel plan with
         sequence parallelism pins activation layouts on the stock modules it styles).
+      after_grad: called as ``hook(model)`` on the NNX module the user passed to
+        ``px.value_and_grad``, once per call, after the state the forward and backward
+        passes wrote is back in it (outside any ``shard_map``): state updates that need the
+        whole step (``px.Float8(delayed=True)``: the amax histories roll and the scales of
+        the next step are computed, as Transformer Engine does after a step).
       name_choices: per-array choices that need the sizes, called as ``choose(names,
         shape, mesh) -> names`` on every parameter (after ``param_checks``) and every
         activation ``px.constrain`` resolves, before the rules map the names
@@ -128,6 +148,7 @@ class ModelHooks:
     param_names: tuple[Callable, ...] = ()
     layout_checks: tuple[Callable, ...] = ()
     before_loss: tuple[Callable, ...] = ()
+    after_grad: tuple[Callable, ...] = ()
     name_choices: tuple[Callable, ...] = ()
 
     def choose_names(self, names, shape, mesh):

@@ -63,9 +63,12 @@ def explicit_value_and_grad(produce, parts: Target, batch, ctx, axes, source=Non
     # cannot check: they run in a map of their own (summed_apart), after this checked one.
     apart = getattr(sync, "varying_results", False)
 
+    float8 = strategy.float8
+    fp8_kernels = float8.gathered_kernels(source) if float8 is not None else {}
+
     def body(p_local, state, b_local):
         with jax.named_scope("parallax/zero_gather"):  # names the collectives in profiles
-            full = gather_params(p_local, lays, axes)
+            full = gather_params(p_local, lays, axes, float8, fp8_kernels)
         position = Position(lax.axis_index(axes), shards)
         with context.manual(axes):
             (loss, res), grads = produce(jax.tree.unflatten(p_def, full),
@@ -153,13 +156,21 @@ def reduce_results(loss, res: LocalResult, rows: int, axes, shards: int):
     return shared, (aux_examples, new_examples)
 
 
-def gather_params(leaves, lays, axes):
+def gather_params(leaves, lays, axes, float8=None, fp8_kernels=None):
     """Each parameter cast to varying over the batch axes (so autodiff inserts no implicit
-    ``psum``) and, under ZeRO 3, all-gathered from its shards."""
+    ``psum``) and, under ZeRO 3, all-gathered from its shards; the dense weights
+    ``px.Float8`` names (``fp8_kernels``: path -> stacked dims) travel in float8."""
+    fp8_kernels = fp8_kernels or {}
 
     def gather(x, lay):
         x = to_varying(x, axes)
-        return lay.zero.gather(x, lay.shard_dim) if lay.is_sharded("param") else x
+        if not lay.is_sharded("param"):
+            return x
+        stacked = fp8_kernels.get(layout.dotted_key(lay.path))
+        if stacked is not None:
+            return float8.gather(x, lambda q: lay.zero.gather(q, lay.shard_dim),
+                                 lay.zero.axis, stacked)
+        return lay.zero.gather(x, lay.shard_dim)
 
     return [on_local_shards(gather, x, lay, axes) for x, lay in zip(leaves, lays)]
 

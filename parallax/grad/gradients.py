@@ -22,10 +22,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from parallax import context, layout, loss_scale
 from parallax import finite_check
+from parallax.grad import backward_records
 from parallax.grad.aux_outputs import restore_static
 from parallax.grad.explicit import explicit_value_and_grad
 from parallax.step.batch import check_batch_tree
@@ -114,6 +116,7 @@ def value_and_grad(
                           hooks=strategy.model_hooks.before_loss if strategy is not None else (),
                           precision=policy, scale=scale)
         produce, split = gradient_producer(local, strategy, microbatches)
+        check_records(parts, split, strategy)
         check_microbatches(batch, split, API, axis_size(ctx.mesh, axes) if axes else 1)
         if explicit:
             (loss, res), grads = explicit_value_and_grad(produce, parts, batch, ctx, axes,
@@ -123,6 +126,9 @@ def value_and_grad(
             grads = constrain_grads(grads, parts.params, ctx, target)
         loss, grads = finish_precision(policy, scale, loss, grads)
         parts.write_back(target, res.state, res.new)
+        if strategy is not None and parts.is_module:
+            for hook in strategy.model_hooks.after_grad:
+                hook(target)
         finite_check.extend(list(res.checks.items()))
         finite_check.record("loss", loss)
         finite_check.record("gradient ", grads)
@@ -156,6 +162,27 @@ def finish_precision(policy, scale, loss, grads):
         loss = loss / scale
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
     return loss, jax.tree.map(lambda g: g.astype(policy.grads), grads)
+
+
+def check_records(parts: Target, split: int, strategy) -> None:
+    """State the backward pass writes (:mod:`parallax.grad.backward_records`) holds one
+    value per step, which neither micro-batches (each sees a part of the loss) nor a
+    strategy's own producer (pipelines) carry."""
+    if not parts.is_module:
+        return
+    records, _ = backward_records.split_records(parts.state)
+    if not backward_records.has_records(records):
+        return
+    producer = strategy is not None and strategy.grad_fn is not None
+    if split > 1 or producer:
+        path = ".".join(map(str, nnx.to_flat_state(records)[0][0]))
+        how = (f"{split} micro-batches" if split > 1
+               else f"the gradient producer of {strategy.name}")
+        raise ValueError(
+            f"{API}: the model holds state its backward pass writes ({path}, e.g. "
+            f"px.Float8(delayed=True)'s gradient amaxes), which is recorded once per step "
+            f"over the whole batch; {how} would split that step. Use microbatches=None and "
+            "no pipeline with it, or px.Float8() (current scaling).")
 
 
 def check_options(options: StateOptions, ctx, axes, explicit: bool) -> None:

@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from parallax import finite_check
-from parallax.grad import module_state, sliced_rng
+from parallax.grad import backward_records, module_state, sliced_rng
 from parallax.grad.aux_outputs import partition_static
 from parallax.grad.module_state import StateOptions, Target
 from parallax.grad.sliced_rng import Position
@@ -147,15 +148,22 @@ class SliceLoss:
         policy = self.precision
         inputs = batch if policy is None else policy.to_compute(batch)
 
-        def local(p):
+        # Variables the backward pass writes (backward_records) are differentiated too:
+        # their cotangents are their values after the step.
+        recorded, others = (backward_records.split_records(state) if target.is_module
+                            else (None, None))
+        recording = recorded is not None and backward_records.has_records(recorded)
+
+        def local(p, recorded):
             # The cast is inside the differentiated function: the gradient with respect to
             # the stored (master) parameters comes out through it.
             p = p if policy is None else policy.to_compute(p)
             with finite_check.scope(self.check) as records:
                 if target.is_module:
+                    incoming = nnx.merge_state(others, recorded) if recording else state
                     # A fresh copy of every variable, created at this trace level: the
                     # forward pass may write to it.
-                    fresh = jax.tree.map(lambda x: x, state)
+                    fresh = jax.tree.map(lambda x: x, incoming)
                     keys = sliced_rng.slice_keys(fresh, position, rows, self.options.rng)
                     model = target.module(p, keys)
                     module_state.prepare(model, self.options, self.axes)
@@ -180,4 +188,8 @@ class SliceLoss:
                 new = sliced_rng.unslice_keys(new)
             return loss, LocalResult(aux, carried, new, _merge_checks(records))
 
-        return jax.value_and_grad(local, has_aux=True)(params)
+        if not recording:
+            return jax.value_and_grad(local, has_aux=True)(params, recorded)
+        (loss, res), (grads, written) = jax.value_and_grad(local, argnums=(0, 1),
+                                                           has_aux=True)(params, recorded)
+        return (loss, res._replace(state=backward_records.with_records(res.state, written))), grads

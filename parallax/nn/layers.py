@@ -113,11 +113,10 @@ class Dense(nnx.Module):
       use_bias: add a bias (zeros at init).
       dtype: compute dtype (params are cast to it); None keeps the input's.
       param_dtype: storage dtype of the params.
+      dot_general: the product (as ``nnx.Linear``'s; ``px.Float8`` swaps in float8's).
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from parallax.nn.layers import Dense
+      >>> import jax.numpy as jnp; from flax import nnx; from parallax.nn.layers import Dense
       >>> layer = Dense((8,), (2, 4), ("embed", "heads", "kv"), rngs=nnx.Rngs(0))
       >>> layer(jnp.ones((3, 8))).shape
       (3, 2, 4)
@@ -134,10 +133,11 @@ class Dense(nnx.Module):
         use_bias: bool = True,
         dtype: jnp.dtype | None = None,
         param_dtype: jnp.dtype = jnp.float32,
+        dot_general=jax.lax.dot_general,
     ):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         names = tuple(names)
-        self.num_in = len(in_shape)
+        self.num_in, self.num_out, self.dot_general = len(in_shape), len(out_shape), dot_general
         self.dtype = dtype
         self.kernel = annotated_param(
             kernel_init, rngs.params(), in_shape + out_shape, names, param_dtype
@@ -149,7 +149,8 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
         kernel = jnp.asarray(self.kernel[...], dtype)
-        y = jnp.tensordot(jnp.asarray(x, dtype), kernel, axes=self.num_in)
+        x, n = jnp.asarray(x, dtype), self.num_in
+        y = self.dot_general(x, kernel, (((*range(x.ndim - n, x.ndim),), (*range(n),)), ((), ())))
         return y if self.bias is None else y + jnp.asarray(self.bias[...], dtype)
 
 

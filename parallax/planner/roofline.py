@@ -25,7 +25,9 @@ from collections.abc import Iterable
 
 from parallax.comm import cost
 
-_H100 = {"bfloat16": 989.4e12, "float16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}
+# float8: the datasheet's dense FP8 Tensor Core peak (1,979 TFLOP/s; 3,958 is with sparsity).
+_H100 = {"float8": 1978.9e12, "bfloat16": 989.4e12, "float16": 989.4e12, "tf32": 494.7e12,
+         "float32": 66.9e12}
 # Maximum achievable matmul FLOPS (bf16, the best of a sweep of large shapes, torch + cuBLAS):
 # S. Bekman, "Machine Learning Engineering", compute/accelerator, "Maximum Achievable Matmul
 # FLOPS comparison table" (mamf-finder.py): A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of
@@ -65,20 +67,25 @@ class Chip:
     efficiency_source: str = "none measured: the peak"
 
     def flops_per_second(self, dtype: str = "float32", precision: str | None = None) -> float:
-        """The peak for matmuls in ``dtype`` (float32 at default precision uses ``tf32``)."""
+        """The peak for matmuls in ``dtype`` (float32 at default precision uses ``tf32``;
+        ``"float8"`` on a chip without float8 matmul units, A100 or TPU v5e, is bfloat16's)."""
         tf32 = precision not in ("highest", "float32") and "tf32" in self.peak_flops
         if dtype == "float32" and tf32:
             return self.peak_flops["tf32"]
+        if dtype == "float8" and dtype not in self.peak_flops:
+            dtype = "bfloat16"
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
 
 
 CHIPS: dict[str, Chip] = {
     "h100": Chip("h100", _H100, 3.35e12, 80e9,
-                 "NVIDIA H100 SXM datasheet: dense BF16 989 TFLOP/s, TF32 495, FP32 67; "
+                 "NVIDIA H100 SXM datasheet: dense FP8 1,979 TFLOP/s, BF16 989, TF32 495, "
+                 "FP32 67; "
                  "HBM3 3.35 TB/s, 80 GB.", "nvlink-h100", 794.5 / 989.4,
                  f"{_MAMF}: H100 SXM 794.5 TFLOP/s"),
     "h200": Chip("h200", _H100, 4.8e12, 141e9,
-                 "NVIDIA H200 datasheet: the H100 SXM's compute (dense BF16 989 TFLOP/s); "
+                 "NVIDIA H200 datasheet: the H100 SXM's compute (dense FP8 1,979 TFLOP/s, "
+                 "BF16 989); "
                  "HBM3e 4.8 TB/s, 141 GB.", "nvlink-h100", 794.5 / 989.4,
                  f"the H100's ({_MAMF}), same compute die; the H200 itself not measured"),
     "a100": Chip("a100", {"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12,

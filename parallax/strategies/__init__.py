@@ -27,6 +27,9 @@ attention, Llama 3's     strategy, ring,       ring or all-gather attention  tes
 all-gather)              zigzag, stage_groups  in a shard_map over the axis
 mixed precision          precision.py          casts in parallax.grad;       test_precision
                                                parallax.loss_scale
+float8 matmuls (torchao, float8/: scaling,     dense layers' dot_general     test_float8,
+Transformer Engine)      recipe, matmul,       swapped in the trace; ZeRO 3  test_float8_step
+                         modules, fsdp_gather  gathers weights in float8
 =======================  ====================  ============================  ==================
 
 The tests named are in ``tests/strategies/``, the folders and ``test_layout`` in ``tests/``.
@@ -37,6 +40,8 @@ from parallax.strategies.accumulate import GradientAccumulation as GradientAccum
 from parallax.strategies.context_parallel import ContextParallel as ContextParallel
 from parallax.strategies.data import DataParallel as DataParallel
 from parallax.strategies.expert import ExpertParallel as ExpertParallel
+from parallax.strategies.float8 import Float8 as Float8
+from parallax.strategies.float8 import add_float8_histories as add_float8_histories
 from parallax.strategies.pipeline import Pipeline as Pipeline
 from parallax.strategies.precision import MixedPrecision as MixedPrecision
 from parallax.strategies.reduce_to_one import ReduceToOne as ReduceToOne

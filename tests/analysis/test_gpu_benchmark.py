@@ -27,11 +27,18 @@ def test_gpu_benchmark_runs_on_cpu_with_the_tiny_config(tmp_path):
     assert "fused attention check, gpt_tiny: n/a on cpu in float32 (runs xla)" in out
     assert "6 N + 12 L T D per token" in out and "llama_tiny: px.explain predicts" in out
     text = results.read_text()
+    sweep = text.split("## Train step, batch sweep")[1].split("\n## ")[0]
     for model in ("gpt_tiny", "llama_tiny"):
-        rows = [line for line in text.splitlines() if f"| {model} |" in line]
+        rows = [line for line in sweep.splitlines() if f"| {model} |" in line]
         assert rows and all("| cpu" in r and "| float32 | none | xla |" in r for r in rows)
         assert rows[-1].rstrip(" |").split("|")[-1].strip() != "-"  # px / hand-written
     assert "## Collectives (parallax bench comm)" in text and "| all_reduce | xla |" in text
+    # The float8 row: Llama tiny's step and the same under px.Float8(), alternating.
+    assert "llama_tiny float8 vs float32 at batch" in out
+    section = text.split("## float8 against bf16")[1].split("\n## ")[0]
+    fp8 = [line for line in section.splitlines() if "| llama_tiny |" in line]
+    assert len(fp8) == 1 and "| float32 |" in fp8[0]
+    assert float(fp8[0].rstrip(" |").split("|")[-1]) > 0  # bf16 / float8 time
 
 
 def test_the_fused_attention_check_reads_the_kernel_summary():
@@ -44,3 +51,16 @@ def test_the_fused_attention_check_reads_the_kernel_summary():
     for ran in ("cudnn (NO fused call in the program)", "xla"):
         assert gpu.fused_check("gpu", "bfloat16", ran).startswith("FAIL"), ran
     assert gpu.fused_check("gpu", "float32", "xla").startswith("n/a")
+
+
+def test_rows_go_to_their_own_table_when_another_follows_it(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# R\n\n## First\n\n| a |\n|---|\n| 1 |\n\n## Second\n\n| b |\n|---|\n| 2 |\n")
+    gpu.append_rows(path, "First", "| a |", ["| 3 |"])
+    assert path.read_text() == ("# R\n\n## First\n\n| a |\n|---|\n| 1 |\n| 3 |\n\n## Second\n\n"
+                                "| b |\n|---|\n| 2 |\n")

@@ -194,6 +194,10 @@ def price(s: StepSetting, topology: Topology, device: roofline.Chip | str | None
     (``px.plan`` prices its compiled candidates so)."""
     chip = roofline.chip(device or topology.chip)
     dtype = jnp.dtype(s.config.dtype).name if s.config is not None else "float32"
+    if getattr(s.strategy, "float8", None) is not None:
+        # px.Float8: the matmuls at the chip's float8 peak. All of them, attention's and
+        # the loss head's included, which stay bfloat16: an optimistic bound.
+        dtype = "float8"
     peak = chip.flops_per_second(dtype)
     bubble = compute.bubble(s)
     priced, levels = [], {INTRA: 0.0, INTER: 0.0}

@@ -43,6 +43,7 @@ from parallax.comm.varying import to_varying
 from parallax.nn.layers import annotated_param
 from parallax.nn.moe_config import MoEConfig
 from parallax.nn.moe_dropless import dropless_in_rounds
+from parallax.nn.moe_ragged import dropless_ragged
 from parallax.nn.moe_routing import dispatch_tensors, route, router_stats
 
 Initializer = nnx.initializers.Initializer
@@ -134,7 +135,13 @@ class MoE(nnx.Module):
         exchange = expert_exchange(c.num_experts)
         run = lambda t: swiglu_experts(t, *weights)  # noqa: E731 - the local experts
         axis = manual_expert_axis()
-        if c.dropless and axis is not None:  # sized by the real loads, not padded to S
+        ragged = ragged_collective() if c.dropless and axis is not None else None
+        if ragged is not None:  # exact bytes: each expert gets its routed tokens
+            grouped = lambda rows, sizes: swiglu_grouped(rows, sizes, weights)  # noqa: E731
+            y = dropless_ragged(x, routing.experts, routing.gates, grouped, axis,
+                                c.num_experts, ragged)
+            kept = jnp.ones(routing.experts.shape, bool)
+        elif c.dropless and axis is not None:  # sized by the real loads, not padded to S
             y, _ = dropless_in_rounds(x, routing.experts, routing.gates, run, exchange, axis,
                                       c.num_experts, manual_batch_axes())
             kept = jnp.ones(routing.experts.shape, bool)
@@ -155,17 +162,27 @@ class MoE(nnx.Module):
         return y, stats
 
 
+def swiglu_grouped(rows: jax.Array, sizes: jax.Array, weights) -> jax.Array:
+    """Each expert's SwiGLU on its consecutive rows: three ``ragged_dot``s, ``[M, D]``.
+
+    ``sizes [E]`` are the rows of each expert of ``weights`` in order; rows past their sum
+    give 0.
+    """
+    w_gate, w_up, w_down = weights
+    h = jax.nn.silu(lax.ragged_dot(rows, w_gate, sizes)) * lax.ragged_dot(rows, w_up, sizes)
+    return lax.ragged_dot(h, w_down, sizes)
+
+
 def grouped_experts(x: jax.Array, routing, weights) -> jax.Array:
     """Dropless: the ``N k`` choices sorted by expert, three ``ragged_dot``s, unsorted."""
     g, s, d = x.shape
     k = routing.experts.shape[-1]
-    w_gate, w_up, w_down = weights
     flat = routing.experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=weights[0].shape[0]).astype(jnp.int32)
     rows = x.reshape(g * s, d)[order // k]
-    h = jax.nn.silu(lax.ragged_dot(rows, w_gate, sizes)) * lax.ragged_dot(rows, w_up, sizes)
-    out = jnp.zeros((g * s * k, d), x.dtype).at[order].set(lax.ragged_dot(h, w_down, sizes))
+    out = jnp.zeros((g * s * k, d), x.dtype).at[order].set(swiglu_grouped(rows, sizes,
+                                                                           weights))
     gates = routing.gates.reshape(g * s, k, 1).astype(x.dtype)
     return jnp.sum(out.reshape(g * s, k, d) * gates, axis=1).reshape(g, s, d)
 
@@ -210,6 +227,30 @@ def manual_expert_axis() -> str | None:
     if ctx.strategy.rule_table.get("layers") in ctx.manual_axes:
         return None
     return experts.axis
+
+
+def ragged_collective():
+    """The ragged all-to-all a dropless layer uses here, or None for the rounds.
+
+    Only called where the trace is manual over the expert axis. Warns once per trace when
+    ``dropless_exchange="ragged"`` asks for the real op on a mesh of CPU devices, whose XLA
+    cannot run it (the program can still be lowered for a GPU or TPU).
+    """
+    ctx = context.current()
+    experts = ctx.strategy.experts
+    if getattr(experts, "dropless_exchange", None) is None:  # another ExpertSharding
+        return None
+    if experts.dropless_exchange(ctx.mesh) != "ragged":
+        return None
+    platform = ctx.mesh.devices.flat[0].platform
+    if experts.ragged_collective is None and platform == "cpu":
+        warnings.warn(
+            f"parallax.nn.MoE: px.ExpertParallel({experts.axis!r}, dropless_exchange="
+            f"'ragged') on a mesh of {platform} devices: XLA:CPU cannot run "
+            "jax.lax.ragged_all_to_all, so this step lowers for a GPU or TPU "
+            "(step.lower(..., platforms=('cuda',))) but does not compile here; use "
+            "dropless_exchange='auto' or 'rounds' to run on CPU.", stacklevel=3)
+    return experts.ragged_all_to_all()
 
 
 def manual_batch_axes() -> tuple[str, ...]:

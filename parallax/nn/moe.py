@@ -13,10 +13,13 @@ Two ways to reach the experts:
   dropped (their MoE output is zero);
 - dropless (``capacity_factor=None``): the ``N k`` choices are sorted by expert and the
   experts run as grouped matmuls with ``jax.lax.ragged_dot`` (MegaBlocks' idea); under
-  expert parallelism in the explicit style, in rounds of each expert's even share of slots,
-  as many as the busiest expert needs (``parallax.nn.moe_dropless``); where ``ragged_dot``
-  is missing, or in the GSPMD style, every expert gets ``S`` slots per sequence (padded:
-  nothing can drop, at ``E / k`` times the compute and traffic).
+  expert parallelism in the explicit style, each expert's routed tokens reach it through
+  ``jax.lax.ragged_all_to_all`` on GPUs and TPUs (``parallax.nn.moe_ragged``), or on CPU,
+  which lacks that op, in rounds of each expert's even share of slots, as many as the
+  busiest expert needs (``parallax.nn.moe_dropless``; ``px.ExpertParallel``'s
+  ``dropless_exchange`` picks); where ``ragged_dot`` is missing, or in the GSPMD style or a
+  pipeline stage, every expert gets ``S`` slots per sequence (padded: nothing can drop, at
+  ``E / k`` times the compute and traffic).
 
 Under a strategy with an expert axis (``px.ExpertParallel``) the ``[G, E, C, D]`` slots go
 through the strategy's exchange (two all-to-alls, ``parallax.strategies.expert_dispatch``),

@@ -17,6 +17,12 @@ sharding constraints (by group, then by expert, then back), which XLA's partitio
 into the same two all-to-alls per layer forward. ``px.Pipeline`` composes too (the GPT's
 pipeline stages carry the router losses; ``parallax.models.gpt_pipeline``).
 
+Dropless MoE layers (``capacity_factor=None``) do not pad every expert to the sequence
+length: ``dropless_exchange`` picks ragged all-to-alls (``jax.lax.ragged_all_to_all``,
+exactly the routed tokens, GPU/TPU: ``parallax.nn.moe_ragged``) or fixed-size all-to-alls
+in rounds sized by the busiest expert (every backend: ``parallax.nn.moe_dropless``); in
+the GSPMD style that exchange runs in a ``shard_map`` of its own (``parallax.nn.moe_gspmd``).
+
 References:
   Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers";
   Rajbhandari et al. 2022, "DeepSpeed-MoE".
@@ -69,7 +75,7 @@ def ExpertParallel(axis: str = "expert", *, style: str | None = None,
         step's ``shard_map``) or ``"gspmd"`` (sharding constraints on the slots, from which
         XLA emits the same all-to-alls).
       dropless_exchange: how dropless MoE layers (``capacity_factor=None``) exchange
-        their tokens in the explicit style: ``"auto"`` (default: ``"ragged"`` where the
+        their tokens (either style): ``"auto"`` (default: ``"ragged"`` where the
         mesh's devices are GPUs or TPUs, ``"rounds"`` elsewhere), ``"ragged"``
         (``jax.lax.ragged_all_to_all``: each device sends each expert exactly its routed
         tokens; XLA:CPU cannot run it) or ``"rounds"`` (fixed-size all-to-alls in rounds

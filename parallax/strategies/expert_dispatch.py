@@ -45,8 +45,8 @@ class ExpertExchange:
 
     Attributes:
       axis: the mesh axis the experts are split over.
-      dropless: how a dropless layer (``capacity_factor=None``) exchanges its tokens in the
-        explicit style: ``"ragged"`` (``jax.lax.ragged_all_to_all``, exact bytes:
+      dropless: how a dropless layer (``capacity_factor=None``) exchanges its tokens
+        (either style): ``"ragged"`` (``jax.lax.ragged_all_to_all``, exact bytes:
         ``parallax.nn.moe_ragged``), ``"rounds"`` (fixed-size all-to-alls in rounds sized
         by the busiest expert: ``parallax.nn.moe_dropless``; runs on every backend) or
         ``"auto"`` (ragged where the mesh's devices are GPUs or TPUs, rounds elsewhere:
@@ -78,9 +78,12 @@ class ExpertExchange:
           >>> ExpertExchange("expert").dropless_exchange(px.make_mesh(expert=-1))
           'rounds'
         """
+        return self.resolve(mesh.devices.flat[0].platform)
+
+    def resolve(self, platform: str) -> str:
+        """``"ragged"`` or ``"rounds"`` on devices of ``platform`` (``"cpu"``, ``"gpu"``, ...)."""
         if self.dropless != "auto":
             return self.dropless
-        platform = mesh.devices.flat[0].platform
         return "ragged" if platform in RAGGED_PLATFORMS else "rounds"
 
     def ragged_all_to_all(self) -> Callable:

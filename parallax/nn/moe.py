@@ -51,6 +51,7 @@ from parallax.nn.moe_experts import grouped_experts, swiglu_experts, swiglu_grou
 from parallax.nn.moe_gspmd import dropless_in_shard_map
 from parallax.nn.moe_ragged import dropless_ragged
 from parallax.nn.moe_routing import dispatch_tensors, route, router_stats
+from parallax.strategies.expert_dispatch import mesh_platform
 
 Initializer = nnx.initializers.Initializer
 
@@ -229,7 +230,7 @@ def ragged_collective(ctx):
         return None
     if experts.dropless_exchange(ctx.mesh) != "ragged":
         return None
-    platform = ctx.mesh.devices.flat[0].platform
+    platform = mesh_platform(ctx.mesh)
     if experts.ragged_collective is None and platform == "cpu":
         warnings.warn(
             f"parallax.nn.MoE: px.ExpertParallel({experts.axis!r}, dropless_exchange="

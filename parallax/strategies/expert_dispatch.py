@@ -37,6 +37,13 @@ DROPLESS_EXCHANGES = ("auto", "ragged", "rounds")
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # whose XLA runs ragged_all_to_all
 
 
+def mesh_platform(mesh) -> str:
+    """The platform of the mesh's devices (the default backend's for an abstract mesh)."""
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    return jax.devices()[0].platform
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertExchange:
     """Tokens to their experts' devices over ``axis`` and back: the ``Strategy.experts`` value.
@@ -78,7 +85,7 @@ class ExpertExchange:
           >>> ExpertExchange("expert").dropless_exchange(px.make_mesh(expert=-1))
           'rounds'
         """
-        return self.resolve(mesh.devices.flat[0].platform)
+        return self.resolve(mesh_platform(mesh))
 
     def resolve(self, platform: str) -> str:
         """``"ragged"`` or ``"rounds"`` on devices of ``platform`` (``"cpu"``, ``"gpu"``, ...)."""

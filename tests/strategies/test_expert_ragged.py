@@ -82,6 +82,12 @@ def test_auto_picks_rounds_on_cpu_and_bad_values_are_refused():
     assert px.ExpertParallel("expert").experts.dropless_exchange(mesh) == "rounds"
     forced = px.ExpertParallel("expert", dropless_exchange="ragged").experts
     assert forced.dropless_exchange(mesh) == "ragged"
+    auto = px.ExpertParallel("expert").experts
+    assert [auto.resolve(p) for p in ("gpu", "tpu", "cpu")] == ["ragged", "ragged", "rounds"]
+    rounds = px.ExpertParallel("expert", dropless_exchange="rounds").experts
+    assert rounds.resolve("gpu") == "rounds"
+    abstract = jax.sharding.AbstractMesh((8,), ("expert",), (jax.sharding.AxisType.Auto,))
+    assert auto.dropless_exchange(abstract) == "rounds"  # the default backend's: CPU here
     with pytest.raises(ValueError, match=re.escape(
             "px.ExpertParallel: dropless_exchange='fast' must be one of ('auto', 'ragged', "
             "'rounds'): 'ragged' (jax.lax.ragged_all_to_all, GPU/TPU), 'rounds' (fixed-size "

@@ -87,3 +87,15 @@ def test_gpu_program_holds_ragged_all_to_alls_of_the_routed_rows():
     others = [re.search(r"\}> : \((tensor<\w+>)\)", line).group(1)
               for line in lines if '"stablehlo.all_to_all"' in line]
     assert others and set(others) == {f"tensor<{E}xi32>"}  # the transposes' offsets
+    # The local experts: 3 ragged_dots forward on the receive buffer, grouped by the L local
+    # experts ([M, D] x [L, D, F], [M, D] x [L, D, F], [M, F] x [L, F, D]), 6 backward. The
+    # buffer bounds their FLOPs (2 M D F each); the useful ones are 2 R D F, R the rows
+    # received (rows past the groups are zeros; whether XLA:GPU skips them is untested).
+    dots = [re.search(r"\}> : \((tensor<\w+>), (tensor<\w+>), (tensor<\w+>)\)", line).groups()
+            for line in lines if "chlo.ragged_dot" in line and "lhs_ragged" in line]
+    local, rows = E // n, receive_rows(tokens, K, E, n)
+    groups = f"tensor<{local}xi32>"
+    forward = [(f"tensor<{rows}x{D}xf32>", f"tensor<{local}x{D}x{F}xf32>", groups)] * 2 + [
+        (f"tensor<{rows}x{F}xf32>", f"tensor<{local}x{F}x{D}xf32>", groups)]
+    assert len(dots) == 9 and all(d in dots for d in forward)
+    assert {d[2] for d in dots} == {groups}

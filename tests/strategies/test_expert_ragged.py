@@ -94,3 +94,20 @@ def test_auto_picks_rounds_on_cpu_and_bad_values_are_refused():
             "all-to-alls, every backend) or 'auto' (ragged on GPU/TPU, rounds elsewhere); "
             "leave it out for 'auto'.")):
         px.ExpertParallel("expert", dropless_exchange="fast")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style, exchange", [(None, "rounds"), (None, "ragged"),
+                                             ("gspmd", "ragged")])
+def test_tensor_parallel_inside_experts_matches_one_device(style, exchange):
+    """data=2 x expert=2 x tensor=2: the dropless exchanges with Megatron's split inside
+    each expert (the tensor axis automatic inside the exchange's region)."""
+    cfg = te.config(capacity_factor=None)
+    ref = te.trajectory(*te.one_device(cfg))
+    ep = px.ExpertParallel("expert", style=style, dropless_exchange=exchange)
+    if exchange == "ragged":
+        ep = dataclasses.replace(ep, experts=dataclasses.replace(
+            ep.experts, ragged_collective=emulated_ragged_all_to_all))
+    mesh = px.make_mesh(data=2, expert=2, tensor=2)
+    strategy = px.compose(px.DataParallel("data"), ep, px.TensorParallel("tensor"))
+    te.assert_same_trajectory(te.trajectory(*te.parallel(cfg, mesh, strategy)), ref)

@@ -96,18 +96,27 @@ def test_auto_picks_rounds_on_cpu_and_bad_values_are_refused():
         px.ExpertParallel("expert", dropless_exchange="fast")
 
 
+COMPOSED = {  # the mesh, and the strategy composed with ExpertParallel
+    "tensor": ({"data": 2, "expert": 2, "tensor": 2},
+               lambda ep: px.compose(px.DataParallel("data"), ep, px.TensorParallel("tensor"))),
+    "fsdp": ({"fsdp": 2, "expert": 4}, lambda ep: px.compose(px.FSDP("fsdp"), ep)),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("style, exchange", [(None, "rounds"), (None, "ragged"),
-                                             ("gspmd", "ragged")])
-def test_tensor_parallel_inside_experts_matches_one_device(style, exchange):
-    """data=2 x expert=2 x tensor=2: the dropless exchanges with Megatron's split inside
-    each expert (the tensor axis automatic inside the exchange's region)."""
+@pytest.mark.parametrize("with_, style, exchange", [
+    ("tensor", None, "rounds"), ("tensor", None, "ragged"), ("tensor", "gspmd", "ragged"),
+    ("fsdp", None, "ragged"), ("fsdp", "gspmd", "rounds")])
+def test_composed_with_tensor_or_fsdp_matches_one_device(with_, style, exchange):
+    """Megatron's split inside each expert (data=2 x expert=2 x tensor=2, the tensor axis
+    automatic inside the exchange), or ZeRO-3 (fsdp=2 x expert=4): the dropless exchanges
+    equal one device."""
     cfg = te.config(capacity_factor=None)
     ref = te.trajectory(*te.one_device(cfg))
     ep = px.ExpertParallel("expert", style=style, dropless_exchange=exchange)
     if exchange == "ragged":
         ep = dataclasses.replace(ep, experts=dataclasses.replace(
             ep.experts, ragged_collective=emulated_ragged_all_to_all))
-    mesh = px.make_mesh(data=2, expert=2, tensor=2)
-    strategy = px.compose(px.DataParallel("data"), ep, px.TensorParallel("tensor"))
-    te.assert_same_trajectory(te.trajectory(*te.parallel(cfg, mesh, strategy)), ref)
+    shape, compose = COMPOSED[with_]
+    mesh = px.make_mesh(**shape)
+    te.assert_same_trajectory(te.trajectory(*te.parallel(cfg, mesh, compose(ep))), ref)

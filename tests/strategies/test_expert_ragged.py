@@ -1,7 +1,7 @@
 """Dropless expert parallelism with ragged all-to-alls (``dropless_exchange="ragged"``):
 px.models' MoE GPT and stock Flax layers around ``px.nn.MoE`` equal one device (whole state
-after each of 3 steps, router statistics) under expert=8 and data=2 x expert=4, run on CPU
-through the emulated collective; the real op's train step, lowered for CUDA, holds ragged
+after each of 3 steps, router statistics) under expert=8 and data=2 x expert=4 (and composed
+with tensor parallelism or ZeRO-3), run on CPU through the emulated collective; the real op's train step, lowered for CUDA, holds ragged
 all-to-alls of the routed rows and no all-to-all of token slots; the knob's refusal and the
 CPU warning are pinned."""
 

@@ -59,6 +59,12 @@ def receive_rows(tokens: int, top_k: int, num_experts: int, devices: int) -> int
 
 
 def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """The sum of the entries before each one along ``axis``: offsets from sizes.
+
+    Example:
+      >>> exclusive_cumsum(jnp.array([2, 0, 3])).tolist()
+      [0, 2, 2]
+    """
     return jnp.cumsum(x, axis=axis) - x
 
 
@@ -68,6 +74,12 @@ def ragged_plan(counts: jax.Array, me: jax.Array, local: int) -> dict[str, jax.A
     Device ``j`` lays out what it receives by local expert ``l``, then by sender ``s``:
     the rows of ``(l, s)`` start at ``sum_{l' < l} total[j L + l'] + sum_{s' < s}
     counts[s', j L + l]``. Every device computes every offset from the gathered counts.
+
+    Example:
+      >>> counts = jnp.array([[1, 2], [3, 0]])  # 2 devices, one expert each
+      >>> plan = ragged_plan(counts, me=jnp.array(1), local=1)
+      >>> plan["send_where"].tolist(), plan["recv_size"].tolist(), plan["groups"].tolist()
+      ([1, 2], [2, 0], [2])
     """
     n, e = counts.shape
     total = counts.sum(0)  # [E] rows each expert receives

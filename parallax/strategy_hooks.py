@@ -86,7 +86,9 @@ class ExpertSharding(Protocol):
     batch axis for every other layer and shards the ``"expert"`` logical axis of the MoE
     weights; inside the explicit step's ``shard_map`` (the axis manual) an MoE layer calls
     ``exchange(slots, run)`` with its ``[G, E, C, D]`` slots and ``run``, its local
-    experts.
+    experts. Dropless layers also read ``dropless_exchange(mesh)`` and
+    ``ragged_all_to_all()`` where the value has them (ragged or rounds); without them they
+    run in rounds through ``exchange``.
     """
 
     axis: str

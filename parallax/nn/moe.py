@@ -13,10 +13,14 @@ Two ways to reach the experts:
   dropped (their MoE output is zero);
 - dropless (``capacity_factor=None``): the ``N k`` choices are sorted by expert and the
   experts run as grouped matmuls with ``jax.lax.ragged_dot`` (MegaBlocks' idea); under
-  expert parallelism in the explicit style, in rounds of each expert's even share of slots,
-  as many as the busiest expert needs (``parallax.nn.moe_dropless``); where ``ragged_dot``
-  is missing, or in the GSPMD style, every expert gets ``S`` slots per sequence (padded:
-  nothing can drop, at ``E / k`` times the compute and traffic).
+  expert parallelism, each expert's routed tokens reach it through
+  ``jax.lax.ragged_all_to_all`` on GPUs and TPUs (``parallax.nn.moe_ragged``), or on CPU,
+  which lacks that op, in rounds of each expert's even share of slots, as many as the
+  busiest expert needs (``parallax.nn.moe_dropless``; ``px.ExpertParallel``'s
+  ``dropless_exchange`` picks); in the GSPMD style the same, in a ``shard_map`` of the
+  exchange (``parallax.nn.moe_gspmd``); where ``ragged_dot`` is missing, or in a pipeline
+  stage, every expert gets ``S`` slots per sequence (padded: nothing can drop, at ``E / k``
+  times the compute and traffic).
 
 Under a strategy with an expert axis (``px.ExpertParallel``) the ``[G, E, C, D]`` slots go
 through the strategy's exchange (two all-to-alls, ``parallax.strategies.expert_dispatch``),
@@ -43,22 +47,13 @@ from parallax.comm.varying import to_varying
 from parallax.nn.layers import annotated_param
 from parallax.nn.moe_config import MoEConfig
 from parallax.nn.moe_dropless import dropless_in_rounds
+from parallax.nn.moe_experts import grouped_experts, swiglu_experts, swiglu_grouped
+from parallax.nn.moe_gspmd import dropless_in_shard_map
+from parallax.nn.moe_ragged import dropless_ragged
 from parallax.nn.moe_routing import dispatch_tensors, route, router_stats
+from parallax.strategies.expert_dispatch import mesh_platform
 
 Initializer = nnx.initializers.Initializer
-
-
-def swiglu_experts(tokens: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array) -> jax.Array:
-    """Each expert's SwiGLU on its slots: ``[G, E, C, D]`` -> ``[G, E, C, D]``.
-
-    ``E`` is however many experts the weights hold (all, or one device's share). The gate
-    and up projections run as one matmul on the two weights stacked, so that under tensor
-    parallelism the backward pass sums their input gradients before its one all-reduce
-    (as Megatron fuses its column-parallel input projections).
-    """
-    gate, up = jnp.einsum("gecd,kedf->kgecf", tokens, jnp.stack([w_gate, w_up]))
-    return jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, w_down)
 
 
 class MoE(nnx.Module):
@@ -140,9 +135,8 @@ class MoE(nnx.Module):
         exchange = expert_exchange(c.num_experts)
         run = lambda t: swiglu_experts(t, *weights)  # noqa: E731 - the local experts
         axis = manual_expert_axis()
-        if c.dropless and axis is not None:  # sized by the real loads, not padded to S
-            y, _ = dropless_in_rounds(x, routing.experts, routing.gates, run, exchange, axis,
-                                      c.num_experts, manual_batch_axes())
+        if c.dropless and (axis is not None or gspmd_experts() is not None):
+            y = exchanged_dropless(x, routing, weights, c.num_experts, axis)
             kept = jnp.ones(routing.experts.shape, bool)
         elif c.dropless and exchange is None and hasattr(lax, "ragged_dot"):
             y = grouped_experts(x, routing, weights)
@@ -159,21 +153,6 @@ class MoE(nnx.Module):
             y = y + (jax.nn.silu(gate) * up) @ self.shared_down[...].astype(dtype)
         stats = router_stats(logits, routing, kept, c.num_experts, batch_mean(), token_mask)
         return y, stats
-
-
-def grouped_experts(x: jax.Array, routing, weights) -> jax.Array:
-    """Dropless: the ``N k`` choices sorted by expert, three ``ragged_dot``s, unsorted."""
-    g, s, d = x.shape
-    k = routing.experts.shape[-1]
-    w_gate, w_up, w_down = weights
-    flat = routing.experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
-    rows = x.reshape(g * s, d)[order // k]
-    h = jax.nn.silu(lax.ragged_dot(rows, w_gate, sizes)) * lax.ragged_dot(rows, w_up, sizes)
-    out = jnp.zeros((g * s * k, d), x.dtype).at[order].set(lax.ragged_dot(h, w_down, sizes))
-    gates = routing.gates.reshape(g * s, k, 1).astype(x.dtype)
-    return jnp.sum(out.reshape(g * s, k, d) * gates, axis=1).reshape(g, s, d)
 
 
 def expert_exchange(num_experts: int):
@@ -216,6 +195,56 @@ def manual_expert_axis() -> str | None:
     if ctx.strategy.rule_table.get("layers") in ctx.manual_axes:
         return None
     return experts.axis
+
+
+def gspmd_experts():
+    """The strategy's ``ExpertExchange`` in the GSPMD style (no axis manual), else None."""
+    ctx = context.current()
+    experts = None if ctx is None else ctx.strategy.experts
+    if experts is None or ctx.manual_axes or not hasattr(experts, "dropless_exchange"):
+        return None
+    return experts
+
+
+def exchanged_dropless(x: jax.Array, routing, weights, num_experts: int,
+                       axis: str | None) -> jax.Array:
+    """Dropless through the strategy's exchange, ragged or in rounds (``dropless_exchange``);
+    in the GSPMD style (``axis`` None) inside a ``shard_map`` over the batch axes."""
+    ctx = context.current()
+    experts, ragged = ctx.strategy.experts, ragged_collective(ctx)
+    if axis is None:
+        return dropless_in_shard_map(x, routing.experts, routing.gates, weights, experts,
+                                     ctx.mesh, tuple(ctx.strategy.batch_axes), num_experts,
+                                     ragged)
+    if ragged is not None:  # exact bytes: each expert gets its routed tokens
+        grouped = lambda rows, sizes: swiglu_grouped(rows, sizes, weights)  # noqa: E731
+        return dropless_ragged(x, routing.experts, routing.gates, grouped, axis, num_experts,
+                               ragged)
+    run = lambda t: swiglu_experts(t, *weights)  # noqa: E731
+    return dropless_in_rounds(x, routing.experts, routing.gates, run, experts.exchange, axis,
+                              num_experts, manual_batch_axes())[0]
+
+
+def ragged_collective(ctx):
+    """The ragged all-to-all the dropless exchange uses here, or None for the rounds.
+
+    Warns once per trace when ``dropless_exchange="ragged"`` asks for the real op on a mesh
+    of CPU devices, whose XLA cannot run it (the program can still be lowered for a GPU).
+    """
+    experts = ctx.strategy.experts
+    if not hasattr(experts, "dropless_exchange"):  # another ExpertSharding: the rounds
+        return None
+    if experts.dropless_exchange(ctx.mesh) != "ragged":
+        return None
+    platform = mesh_platform(ctx.mesh)
+    if experts.ragged_collective is None and platform == "cpu":
+        warnings.warn(
+            f"parallax.nn.MoE: px.ExpertParallel({experts.axis!r}, dropless_exchange="
+            f"'ragged') on a mesh of {platform} devices: XLA:CPU cannot run "
+            "jax.lax.ragged_all_to_all, so this step lowers for a GPU or TPU "
+            "(step.lower(..., platforms=('cuda',))) but does not compile here; use "
+            "dropless_exchange='auto' or 'rounds' to run on CPU.", stacklevel=4)
+    return experts.ragged_all_to_all()
 
 
 def manual_batch_axes() -> tuple[str, ...]:

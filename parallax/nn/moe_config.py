@@ -133,7 +133,8 @@ class MoEConfig:
     def capacity(self, tokens: int) -> int:
         """Slots per expert for a sequence of ``tokens`` tokens (at most ``tokens``).
 
-        Dropless routing under expert parallelism pads every expert to ``tokens`` slots.
+        Dropless routing pads every expert to ``tokens`` slots where it pads (a pipeline
+        stage under expert parallelism).
         """
         if self.dropless:
             return tokens

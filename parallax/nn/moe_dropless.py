@@ -23,11 +23,13 @@ exchange, ``N k`` when the load is even (one round), and at most the padded path
 one expert takes everything. Memory does not: the scan keeps each round's residuals,
 sized for the most rounds (as the padded path's are).
 
-Why not ``jax.lax.ragged_all_to_all``: both supported jax versions have it, but XLA's CPU
-backend does not implement it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all is not
-supported by XLA:CPU``), and ``lax.ragged_dot`` on CPU lowers to one dense matmul per
-group (``E`` times the FLOPs of the rows). The rounds use only ``all_to_all`` and
-batched matmuls, so they run, and cost what they say, on every backend.
+Rounds are the CPU's exchange (``px.ExpertParallel(dropless_exchange="auto")`` on CPU):
+XLA's CPU backend does not implement ``jax.lax.ragged_all_to_all`` (``UNIMPLEMENTED: HLO
+opcode ragged-all-to-all is not supported by XLA:CPU``), and ``lax.ragged_dot`` on CPU
+lowers to one dense matmul per group (``E`` times the FLOPs of the rows). The rounds use
+only ``all_to_all`` and batched matmuls, so they run, and cost what they say, on every
+backend. On GPUs and TPUs the ragged all-to-alls send exactly the routed tokens
+(``parallax.nn.moe_ragged``).
 
 References:
   Gale et al. 2022, "MegaBlocks" (dropless MoE; block-sparse grouped matmuls);

@@ -17,6 +17,12 @@ sharding constraints (by group, then by expert, then back), which XLA's partitio
 into the same two all-to-alls per layer forward. ``px.Pipeline`` composes too (the GPT's
 pipeline stages carry the router losses; ``parallax.models.gpt_pipeline``).
 
+Dropless MoE layers (``capacity_factor=None``) do not pad every expert to the sequence
+length: ``dropless_exchange`` picks ragged all-to-alls (``jax.lax.ragged_all_to_all``,
+exactly the routed tokens, GPU/TPU: ``parallax.nn.moe_ragged``) or fixed-size all-to-alls
+in rounds sized by the busiest expert (every backend: ``parallax.nn.moe_dropless``); in
+the GSPMD style that exchange runs in a ``shard_map`` of its own (``parallax.nn.moe_gspmd``).
+
 References:
   Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers";
   Rajbhandari et al. 2022, "DeepSpeed-MoE".
@@ -30,7 +36,7 @@ import jax
 from jax.sharding import Mesh
 
 from parallax.mesh import describe
-from parallax.strategies.expert_dispatch import ExpertExchange
+from parallax.strategies.expert_dispatch import DROPLESS_EXCHANGES, ExpertExchange
 from parallax.strategy import ModelHooks, Strategy, check_style
 
 
@@ -59,7 +65,8 @@ def _path_text(path) -> str:
     return jax.tree_util.keystr(tuple(path))
 
 
-def ExpertParallel(axis: str = "expert", *, style: str | None = None) -> Strategy:
+def ExpertParallel(axis: str = "expert", *, style: str | None = None,
+                   dropless_exchange: str = "auto") -> Strategy:
     """Splits MoE experts over ``axis`` and the batch over it too (GShard's layout).
 
     Args:
@@ -67,6 +74,12 @@ def ExpertParallel(axis: str = "expert", *, style: str | None = None) -> Strateg
       style: ``"explicit"`` (default: two all-to-alls per MoE layer forward, in the
         step's ``shard_map``) or ``"gspmd"`` (sharding constraints on the slots, from which
         XLA emits the same all-to-alls).
+      dropless_exchange: how dropless MoE layers (``capacity_factor=None``) exchange
+        their tokens (either style): ``"auto"`` (default: ``"ragged"`` where the
+        mesh's devices are GPUs or TPUs, ``"rounds"`` elsewhere), ``"ragged"``
+        (``jax.lax.ragged_all_to_all``: each device sends each expert exactly its routed
+        tokens; XLA:CPU cannot run it) or ``"rounds"`` (fixed-size all-to-alls in rounds
+        sized by the busiest expert; every backend). See docs/moe.md.
 
     Returns:
       A :class:`parallax.Strategy` with the rule ``"expert" -> axis``, ``axis`` as a batch
@@ -85,6 +98,13 @@ def ExpertParallel(axis: str = "expert", *, style: str | None = None) -> Strateg
         raise TypeError(f"px.ExpertParallel: axis must be a mesh axis name (str), got "
                         f"{type(axis).__name__}: {axis!r}.")
     style = check_style("px.ExpertParallel", style)
+    if dropless_exchange not in DROPLESS_EXCHANGES:
+        raise ValueError(
+            f"px.ExpertParallel: dropless_exchange={dropless_exchange!r} must be one of "
+            f"{DROPLESS_EXCHANGES}: 'ragged' (jax.lax.ragged_all_to_all, GPU/TPU), 'rounds' "
+            "(fixed-size all-to-alls, every backend) or 'auto' (ragged on GPU/TPU, rounds "
+            "elsewhere); leave it out for 'auto'.")
     return Strategy(name=f"ExpertParallel({axis!r})", rules=(("expert", axis),),
-                    batch_axes=(axis,), style=style, experts=ExpertExchange(axis),
+                    batch_axes=(axis,), style=style,
+                    experts=ExpertExchange(axis, dropless_exchange),
                     model_hooks=ModelHooks(param_checks=(ExpertDivisibility(axis),)))

@@ -33,6 +33,16 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
+DROPLESS_EXCHANGES = ("auto", "ragged", "rounds")
+RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # whose XLA runs ragged_all_to_all
+
+
+def mesh_platform(mesh) -> str:
+    """The platform of the mesh's devices (the default backend's for an abstract mesh)."""
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    return jax.devices()[0].platform
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertExchange:
@@ -42,6 +52,15 @@ class ExpertExchange:
 
     Attributes:
       axis: the mesh axis the experts are split over.
+      dropless: how a dropless layer (``capacity_factor=None``) exchanges its tokens
+        (either style): ``"ragged"`` (``jax.lax.ragged_all_to_all``, exact bytes:
+        ``parallax.nn.moe_ragged``), ``"rounds"`` (fixed-size all-to-alls in rounds sized
+        by the busiest expert: ``parallax.nn.moe_dropless``; runs on every backend) or
+        ``"auto"`` (ragged where the mesh's devices are GPUs or TPUs, rounds elsewhere:
+        XLA:CPU lacks the ragged op).
+      ragged_collective: the ragged all-to-all the ragged exchange calls; None is
+        ``jax.lax.ragged_all_to_all``. ``parallax.comm.ragged.emulated_ragged_all_to_all``
+        runs the same exchange on CPU (for tests: it all-gathers the operands).
 
     Example:
       >>> import jax, jax.numpy as jnp, parallax as px
@@ -55,6 +74,28 @@ class ExpertExchange:
     """
 
     axis: str
+    dropless: str = "auto"
+    ragged_collective: Callable | None = None
+
+    def dropless_exchange(self, mesh: Mesh) -> str:
+        """``"ragged"`` or ``"rounds"``: the dropless exchange this mesh runs.
+
+        Example:
+          >>> import parallax as px
+          >>> ExpertExchange("expert").dropless_exchange(px.make_mesh(expert=-1))
+          'rounds'
+        """
+        return self.resolve(mesh_platform(mesh))
+
+    def resolve(self, platform: str) -> str:
+        """``"ragged"`` or ``"rounds"`` on devices of ``platform`` (``"cpu"``, ``"gpu"``, ...)."""
+        if self.dropless != "auto":
+            return self.dropless
+        return "ragged" if platform in RAGGED_PLATFORMS else "rounds"
+
+    def ragged_all_to_all(self) -> Callable:
+        """The ragged all-to-all the ragged exchange calls."""
+        return self.ragged_collective or lax.ragged_all_to_all
 
     def exchange(self, slots: jax.Array, run: Callable[[jax.Array], jax.Array]) -> jax.Array:
         """``run`` on every slot by the device of its expert; ``[G, E, C, D]`` in and out.
@@ -92,4 +133,7 @@ class ExpertExchange:
         return lax.with_sharding_constraint(out, by_group)
 
     def __repr__(self) -> str:
-        return f"ExpertExchange({self.axis!r})"
+        extra = "" if self.dropless == "auto" else f", dropless={self.dropless!r}"
+        if self.ragged_collective is not None:
+            extra += f", ragged_collective={getattr(self.ragged_collective, '__name__', '?')}"
+        return f"ExpertExchange({self.axis!r}{extra})"

@@ -63,6 +63,19 @@ def stock_trajectory(state, step):
     return states, stats
 
 
+def one_device_step():
+    """The plain program for the stock model: jax.value_and_grad under jax.jit."""
+    @jax.jit
+    def one_step(state, batch):
+        def loss(params):
+            return stock_loss(nnx.merge(state.graphdef, params, state.rest), batch)
+
+        (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads), aux
+
+    return one_step
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(MESHES))
 def test_moe_gpt_matches_one_device_with_one_round_of_slots_per_exchange(layout):
@@ -90,15 +103,7 @@ def test_moe_gpt_matches_one_device_with_one_round_of_slots_per_exchange(layout)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(MESHES))
 def test_stock_layers_around_moe_match_one_device(layout):
-    @jax.jit
-    def one_step(state, batch):
-        def loss(params):
-            return stock_loss(nnx.merge(state.graphdef, params, state.rest), batch)
-
-        (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
-        return state.apply_gradients(grads), aux
-
-    ref = stock_trajectory(stock_state(), one_step)
+    ref = stock_trajectory(stock_state(), one_device_step())
     shape, strategy = MESHES[layout]
     mesh = px.make_mesh(**shape)
 

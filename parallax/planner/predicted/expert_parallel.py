@@ -12,8 +12,13 @@ sequences into ``[E, C]`` slots of width ``D`` (``C`` the capacity per sequence)
   program holds ``ceil(N / c)`` rounds (the most dropless can need, about the padded
   ``G E S D``) and runs ``ceil(busiest expert's choices / c)`` of them, one at an even
   load. The prediction is the program's count, like the compiled reading, which counts a
-  conditional's collectives once; the report's note says what runs. Dropless in the
-  GSPMD style pads to ``C = S``;
+  conditional's collectives once; the report's note says what runs. The GSPMD style runs
+  the same rounds (``parallax.nn.moe_gspmd``);
+- dropless with ragged all-to-alls (``dropless_exchange`` resolving to ``"ragged"``, GPUs
+  and TPUs: ``parallax.nn.moe_ragged``): per MoE layer two forward and two backward, whose
+  sizes follow the routing; predicted at an even load, ``N k D`` each. The compiled
+  reading (``parallax.analysis.hlo``) does not count ragged all-to-alls, so that row has no
+  measured value;
 - the router statistics averaged over every batch shard: an all-reduce over the batch axes
   of the load ``f_e`` and importance ``P_e`` (``E`` each) and the z-loss (float32), which
   XLA merges with the gradients' sync, and one scalar in the backward (the z-loss's
@@ -55,10 +60,17 @@ def slot_bytes(s: StepSetting) -> float:
             * jnp.dtype(c.dtype).itemsize)
 
 
+def dropless_exchange(s: StepSetting) -> str | None:
+    """``"rounds"`` or ``"ragged"`` for dropless MoE under an expert axis, else None."""
+    if s.moe is None or not s.moe.dropless or s.expert_axis is None:
+        return None
+    resolve = getattr(s.strategy.experts, "resolve", None)
+    return resolve(s.backend) if resolve else "rounds"
+
+
 def in_rounds(s: StepSetting) -> bool:
-    """Dropless under an expert axis in the explicit style: the exchange runs in rounds."""
-    return (s.moe is not None and s.moe.dropless and s.expert_axis is not None
-            and s.strategy.style != "gspmd")
+    """Dropless under an expert axis on a backend that runs the exchange in rounds."""
+    return dropless_exchange(s) == "rounds"
 
 
 def rounds_in_program(s: StepSetting) -> int:
@@ -92,6 +104,17 @@ def exchange_messages(s: StepSetting, add) -> None:
     if axis is None or moe is None or s.seq_len is None:
         return
     layers, rounds = s.config.num_layers, rounds_in_program(s)
+    if dropless_exchange(s) == "ragged":
+        routed = (s.rows_per_device * s.seq_len * moe.top_k * s.config.embed_dim
+                  * jnp.dtype(s.config.dtype).itemsize)
+        add("ragged-all-to-all", (axis,), 4 * layers * routed, 4 * layers,
+            "dropless ragged: per MoE layer 2 ragged all-to-alls forward, 2 backward; their "
+            "sizes follow the routing: N k D each at an even load (not read from the "
+            "compiled program)")
+        add("all-gather", (axis,), layers * s.size(axis) * moe.num_experts * 4, layers,
+            "dropless ragged: per MoE layer every device's choices per expert ([E] int32)")
+        router_stats(s, add)
+        return
     how = ("GShard: per MoE layer 2 all-to-alls forward, 2 backward, of G E C D"
            if rounds == 1 and not in_rounds(s) else
            f"dropless in rounds: per MoE layer and round 2 all-to-alls forward, 2 backward, "

@@ -66,7 +66,7 @@ def compare(experts_list=(4, 8, 16), repeats=5, rows=16, seq=32, embed=64, mlp=1
             y, stats = self.moe(h)
             return self.out(h + y), stats
 
-    def build(config):
+    def build(config, strategy=strategy):
         def loss(model, batch):
             pred, stats = model(batch["x"])
             return jnp.mean((pred - batch["y"]) ** 2) + aux_loss(stats, config), stats
@@ -102,19 +102,7 @@ def compare(experts_list=(4, 8, 16), repeats=5, rows=16, seq=32, embed=64, mlp=1
         strategy_ragged = px.compose(px.DataParallel("data"), ep)
         config = px.nn.MoEConfig(num_experts=experts, top_k=2, mlp_dim=mlp,
                                  capacity_factor=None)
-
-        def loss(model, batch):
-            pred, stats = model(batch["x"])
-            return jnp.mean((pred - batch["y"]) ** 2) + aux_loss(stats, config), stats
-
-        state = px.init(lambda: px.TrainState.create(Net(config), optax.adam(1e-3)), mesh,
-                        strategy_ragged)
-
-        @px.train_step(mesh, strategy_ragged)
-        def step(state, batch):
-            (_, stats), grads = px.value_and_grad(loss, has_aux=True)(state.model, batch)
-            return state.apply_gradients(grads), stats
-
+        state, step = build(config, strategy_ragged)
         with warnings.catch_warnings():  # "XLA:CPU cannot run it": known, lowered for CUDA
             warnings.simplefilter("ignore", UserWarning)
             text = step.lower(state, batch, platforms=("cuda",)).as_text()

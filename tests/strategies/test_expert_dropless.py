@@ -105,7 +105,11 @@ def test_moe_gpt_matches_one_device_with_one_round_of_slots_per_exchange(layout)
 def test_stock_layers_around_moe_match_one_device(layout):
     ref = stock_trajectory(stock_state(), one_device_step())
     shape, strategy = MESHES[layout]
-    mesh = px.make_mesh(**shape)
+    assert_stock_layers_match(px.make_mesh(**shape), strategy, ref)
+
+
+def assert_stock_layers_match(mesh, strategy, ref) -> None:
+    """The stock-layer model's trajectory on ``mesh`` under ``strategy`` equals ``ref``."""
 
     @px.train_step(mesh, strategy)
     def step(state, batch):

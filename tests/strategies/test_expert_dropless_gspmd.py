@@ -50,15 +50,7 @@ def test_moe_gpt_matches_one_device(exchange):
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_stock_layers_around_moe_match_one_device(exchange):
     ref = tdl.stock_trajectory(tdl.stock_state(), tdl.one_device_step())
-    mesh, strategy = gspmd(exchange)
-
-    @px.train_step(mesh, strategy)
-    def step(state, batch):
-        (_, aux), grads = px.value_and_grad(tdl.stock_loss, has_aux=True)(state.model, batch)
-        return state.apply_gradients(grads), aux
-
-    state = px.init(tdl.stock_state, mesh, strategy)
-    te.assert_same_trajectory(tdl.stock_trajectory(state, step), ref)
+    tdl.assert_stock_layers_match(*gspmd(exchange), ref)
 
 
 def test_gpu_lowered_gspmd_step_holds_ragged_all_to_alls_of_the_routed_rows():

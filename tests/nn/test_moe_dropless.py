@@ -64,12 +64,19 @@ def in_rounds(mesh):
                                        agree=("data",))
         return y, rounds[None]
 
+    return differentiated(local, mesh, batch, expert)
+
+
+def differentiated(local, mesh, batch, expert):
+    """``local(x, experts, gates, *weights) -> (y, counts)`` in a shard_map (tokens split by
+    ``batch``, weights by ``expert``), as ``(x, weights, experts, gates) -> ((loss, (y,
+    counts)), (dx, dweights))`` with the loss ``sum(sin(y))``, jitted."""
     f = jax.shard_map(local, mesh=mesh, in_specs=(batch, batch, batch) + (expert,) * 3,
                       out_specs=(batch, batch))
 
     def loss(x, weights, experts, gates):
-        y, rounds = f(x, experts, gates, *weights)
-        return jnp.sum(jnp.sin(y)), (y, rounds)
+        y, counts = f(x, experts, gates, *weights)
+        return jnp.sum(jnp.sin(y)), (y, counts)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 

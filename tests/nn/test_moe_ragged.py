@@ -33,14 +33,7 @@ def ragged(mesh, collective=emulated_ragged_all_to_all):
                            jax.lax.axis_index("expert"), E // mesh.shape["expert"])
         return y, jnp.stack([sent["send_size"].sum(), sent["groups"].sum()])[None]
 
-    f = jax.shard_map(local, mesh=mesh, in_specs=(batch, batch, batch) + (expert,) * 3,
-                      out_specs=(batch, batch))
-
-    def loss(x, weights, experts, gates):
-        y, sizes = f(x, experts, gates, *weights)
-        return jnp.sum(jnp.sin(y)), (y, sizes)
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    return md.differentiated(local, mesh, batch, expert)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
